@@ -1,0 +1,118 @@
+"""The `weightq` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from batcher import BatcherConfig, ConfigError
+from batcher.sim import POLICIES, StepCost, load_trace, sharegpt_like, simulate_policies
+
+TABLE_COLUMNS = (
+    ("output_tokens_per_s", "out tok/s"),
+    ("requests_per_s", "req/s"),
+    ("ttft_p50_s", "TTFT p50"),
+    ("ttft_p99_s", "TTFT p99"),
+    ("tpot_p50_s", "TPOT p50"),
+    ("tpot_p99_s", "TPOT p99"),
+    ("peak_weight", "peak"),
+    ("overflow_steps", "overflow"),
+    ("preempted_tokens", "preempted"),
+)
+
+
+def _sim_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "sim",
+        help="simulate admission policies on a trace at one KV budget",
+        description="Discrete-event simulation of an engine step by step under each admission policy "
+        "(static, tgi, optimistic, weighted, predictive, oracle), all at the same KV budget.",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--requests", type=int, default=2000, help="synthetic trace size (default 2000)")
+    p.add_argument("--budget", type=int, default=16384, help="max_batch_weight in tokens (default 16384)")
+    p.add_argument("--max-new-tokens", type=int, default=1024, help="asked by every request (default 1024)")
+    p.add_argument("--max-total-tokens", type=int, default=2048, help="longest input + max_new (default 2048)")
+    p.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (default: all at t=0)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace", default=None, help='JSONL: {"input_len", "output_len"[, "max_new_tokens", "arrival_s"]}')
+    p.add_argument("--max-prefill-weight", type=int, default=4096, help="prompt tokens per step, 0 = off")
+    p.add_argument("--block-size", type=int, default=1, help="KV block size of the token weight model")
+    p.add_argument("--jump-window", type=float, default=1.0, help="seconds a later request may jump (0 = FIFO)")
+    p.add_argument("--max-wait", type=float, default=30.0, help="seconds after which nothing jumps a request")
+    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of the policies")
+    p.add_argument(
+        "--step-cost",
+        type=StepCost.parse,
+        default=StepCost(),
+        help="'fixed,per_token,per_kv_token' seconds (default '0.008,6e-5,3e-7', ~7B on an A100)",
+    )
+    p.set_defaults(func=cmd_sim)
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    policies = tuple(x.strip() for x in args.policies.split(",") if x.strip())
+    unknown = [x for x in policies if x not in POLICIES]
+    if unknown:
+        raise SystemExit(f"weightq sim: unknown policy {', '.join(unknown)}; choose from {', '.join(POLICIES)}")
+    cfg = BatcherConfig(
+        max_batch_weight=args.budget,
+        max_total_tokens=args.max_total_tokens,
+        max_prefill_weight=args.max_prefill_weight,
+        block_size=args.block_size,
+        jump_window_s=args.jump_window,
+        max_wait_s=args.max_wait,
+    )
+    try:
+        cfg = cfg.resolved()
+    except ConfigError as e:
+        raise SystemExit(f"weightq sim: {e}") from e
+    if args.trace:
+        trace = load_trace(args.trace, args.max_new_tokens)
+        info = {"source": args.trace}
+    else:
+        trace = sharegpt_like(args.requests, seed=args.seed, max_new_tokens=args.max_new_tokens, rate=args.rate)
+        info = {
+            "source": "sharegpt_like",
+            "seed": args.seed,
+            "arrival_rate": args.rate,
+            "max_new_tokens": args.max_new_tokens,
+        }
+    too_long = [i for i, r in enumerate(trace) if r.input_len + r.max_new_tokens > cfg.max_total_tokens]
+    if too_long:
+        raise SystemExit(
+            f"weightq sim: {len(too_long)} trace requests exceed max_total_tokens {cfg.max_total_tokens} "
+            f"(first: line {too_long[0] + 1}); raise --max-total-tokens"
+        )
+    result = simulate_policies(trace, cfg, args.step_cost, policies, info)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(format_table(result))
+    return 0
+
+
+def format_table(result: dict) -> str:
+    t = result["trace"]
+    lines = [
+        f"{t['requests']} requests (mean input {t['mean_input']}, mean output {t['mean_output']}), "
+        f"budget {t['budget']} tokens, max_total_tokens {t['max_total_tokens']}",
+        "",
+        f"{'policy':<11}" + "".join(f"{label:>11}" for _, label in TABLE_COLUMNS),
+    ]
+    for name, m in result["policies"].items():
+        lines.append(f"{name:<11}" + "".join(f"{m[key]:>11}" for key, _ in TABLE_COLUMNS))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="weightq", description="Celery-native LLM generation, batched by weight.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _sim_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

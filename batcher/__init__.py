@@ -1,0 +1,25 @@
+"""weightq's batcher: weight-aware admission, pure Python (no torch, Redis or Celery)."""
+
+from .admission import Batcher, BatcherStats, StepPlan
+from .config import BatcherConfig, ConfigError
+from .estimator import OutputLengthEstimator
+from .projection import Entry, PaddedProfile, TokenProfile
+from .request import Request, RequestRejected
+from .weight import PaddedWeight, TokenWeight, weight_model
+
+__all__ = [
+    "Batcher",
+    "BatcherConfig",
+    "BatcherStats",
+    "ConfigError",
+    "Entry",
+    "OutputLengthEstimator",
+    "PaddedProfile",
+    "PaddedWeight",
+    "Request",
+    "RequestRejected",
+    "StepPlan",
+    "TokenProfile",
+    "TokenWeight",
+    "weight_model",
+]

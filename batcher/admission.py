@@ -1,0 +1,380 @@
+"""The batcher: who runs next, decided once per engine step.
+
+Each step `schedule(now)` returns a StepPlan (prompt chunks to prefill, sequences to decode,
+requests admitted or preempted); the engine runs it and reports back with `complete(plan)`,
+then `finish(id)` for every request that ended (EOS, stop sequence, length).
+
+Admission walks the waiting queue in arrival order and admits a candidate only if the projected
+weight of the running requests plus the candidate stays within max_batch_weight at every future
+step (see projection.py). Candidates that pass the naive test — the sum of everyone's final
+weight fits — skip the projection. A later request may jump one that does not fit, but only if it
+arrived within jump_window_s after it, and never once that one has waited max_wait_s.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass, field
+
+from .config import BatcherConfig
+from .estimator import OutputLengthEstimator
+from .projection import Entry, PaddedProfile, TokenProfile
+from .request import Request, RequestRejected
+from .weight import weight_model
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What the engine runs this step; chunks and decodes are in admission order."""
+
+    step: int
+    prefill: list[tuple[Request, int]] = field(default_factory=list)
+    decode: list[Request] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(n for _, n in self.prefill)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prefill_tokens + len(self.decode)
+
+    def __bool__(self) -> bool:
+        return bool(self.prefill or self.decode)
+
+
+@dataclass(slots=True)
+class BatcherStats:
+    admitted: int = 0
+    admitted_fast: int = 0
+    admitted_projected: int = 0
+    rejected_projected: int = 0
+    preemptions: int = 0
+    preempted_tokens: int = 0
+    idle_passes: int = 0
+
+
+class Batcher:
+    """Weight-aware admission over one waiting queue and one running set."""
+
+    REFRESH_EVERY = 16  # predictive mode: refresh the length estimate after this many finishes (or steps)
+
+    def __init__(self, config: BatcherConfig) -> None:
+        self.config = cfg = config.resolved()
+        self.budget: int = cfg.max_batch_weight  # type: ignore[assignment]
+        self.weight = weight_model(cfg.weight_model, cfg.block_size)
+        self.estimator = (
+            OutputLengthEstimator(cfg.predictive_quantile, cfg.predictive_min_samples, cfg.predictive_window)
+            if cfg.mode == "predictive"
+            else None
+        )
+        self.waiting: list[Request] = []  # arrival order
+        self.running: dict[str, Request] = {}  # admission order
+        self.step = 0  # steps completed
+        self.stats = BatcherStats()
+        self._order: dict[str, tuple[float, int]] = {}  # arrival sort key of every known request
+        self._seq = 0
+        self._committed = 0  # sum of reserved final weights (token model)
+        self._profile: TokenProfile | PaddedProfile | None = None
+        self._idle = False  # the last pass admitted nothing and nothing has changed since
+
+    # ----- queue operations -------------------------------------------------------------------
+    def check(self, req: Request) -> None:
+        """Reject a request that could never run; the error names the field and the limit."""
+        cfg = self.config
+        if req.input_len < 1:
+            raise RequestRejected("input_len", f"must be >= 1 (got {req.input_len})")
+        if req.max_new_tokens < 1:
+            raise RequestRejected("max_new_tokens", f"must be >= 1 (got {req.max_new_tokens})")
+        if req.max_total > cfg.max_total_tokens:
+            raise RequestRejected(
+                "max_new_tokens",
+                f"input_len {req.input_len} + max_new_tokens {req.max_new_tokens} = {req.max_total} "
+                f"exceeds max_total_tokens {cfg.max_total_tokens}",
+            )
+        alone = self.weight.seq(req.max_total)
+        if alone > self.budget:
+            raise RequestRejected(
+                "max_new_tokens",
+                f"worst-case weight {alone} (input_len {req.input_len} + max_new_tokens "
+                f"{req.max_new_tokens}) exceeds max_batch_weight {self.budget}",
+            )
+        if req.id in self._order:
+            raise RequestRejected("id", f"request id {req.id!r} is already queued or running")
+
+    def submit(self, req: Request) -> None:
+        self.check(req)
+        self._order[req.id] = (req.arrival_s, self._seq)
+        self._seq += 1
+        self._enqueue(req)
+
+    def cancel(self, request_id: str) -> Request | None:
+        """Drop a waiting or running request; its reservation is freed before the next step."""
+        req = self.running.pop(request_id, None)
+        if req is not None:
+            self._release(req)
+        else:
+            for i, r in enumerate(self.waiting):
+                if r.id == request_id:
+                    req = self.waiting.pop(i)
+                    break
+        if req is not None:
+            del self._order[req.id]
+            self._idle = False
+        return req
+
+    def finish(self, request_id: str) -> Request:
+        """A running request ended (EOS, stop sequence or length); its blocks are free."""
+        req = self.running.pop(request_id)
+        self._release(req)
+        del self._order[req.id]
+        if self.estimator is not None:
+            self.estimator.observe(req.generated)
+        self._idle = False
+        return req
+
+    def batch_weight(self) -> int:
+        """The weight the running requests hold now (their tokens so far, whole prompts included)."""
+        return self.weight.batch([r.context_len for r in self.running.values()])
+
+    def projected_peak(self) -> int:
+        return self._get_profile().peak() if self.running else 0
+
+    # ----- the step -----------------------------------------------------------------------------
+    def schedule(self, now: float) -> StepPlan:
+        plan = StepPlan(self.step)
+        est = self.estimator
+        if est is not None and self.running:
+            if est.pending >= self.REFRESH_EVERY or (est.pending and not self.step % self.REFRESH_EVERY):
+                est.refresh([r.generated for r in self.running.values()])
+            plan.preempted = self._regrow()
+        prefill_state = self._running_work(plan)
+        if self.waiting and not self._idle:
+            self._admit(now, plan, prefill_state)
+        elif self.waiting:
+            self.stats.idle_passes += 1
+        return plan
+
+    def complete(self, plan: StepPlan) -> list[Request]:
+        """Advance every request of the plan by its step; returns those that emitted a token."""
+        self.step += 1
+        emitted: list[Request] = []
+        running = self.running
+        for req, n in plan.prefill:
+            if running.get(req.id) is not req:
+                continue  # cancelled or preempted while the step ran
+            req.prefilled += n
+            if req.prefilled == req.context_len:
+                req.generated += 1
+                req.decoding = True
+                emitted.append(req)
+                self._invalidate()  # a chunked prompt finished: its projection tightens
+        for req in plan.decode:
+            if running.get(req.id) is not req:
+                continue
+            req.prefilled += 1
+            req.generated += 1
+            emitted.append(req)
+        return emitted
+
+    # ----- internals ----------------------------------------------------------------------------
+    def _enqueue(self, req: Request) -> None:
+        key = self._order[req.id]
+        w = self.waiting
+        if not w or self._order[w[-1].id] <= key:
+            w.append(req)
+        else:
+            w.insert(bisect_right(w, key, key=lambda r: self._order[r.id]), req)
+        self._idle = False
+
+    def _release(self, req: Request) -> None:
+        self._committed -= self.weight.seq(req.reserved_total)
+        self._invalidate()
+
+    def _invalidate(self) -> None:
+        self._profile = None
+        self._idle = False
+
+    def _reserve(self, req: Request) -> int:
+        if self.estimator is None:
+            return req.max_new_tokens
+        return self.estimator.reserve(req.max_new_tokens, req.generated)
+
+    def _running_work(self, plan: StepPlan) -> list[int]:
+        """Decode every decoding request; give continuing prompt chunks the prefill cap first (FIFO)."""
+        cap = self.config.max_prefill_weight
+        count = longest = total = 0
+        for req in self.running.values():
+            if req.decoding:
+                if req.generated >= req.max_new_tokens:
+                    raise RuntimeError(f"request {req.id} reached max_new_tokens but was not finished")
+                plan.decode.append(req)
+                continue
+            n = req.prefill_left
+            if cap:
+                n = min(n, cap - total)
+            if n > 0:
+                plan.prefill.append((req, n))
+                count, longest, total = count + 1, max(longest, n), total + n
+        return [count, longest, total]
+
+    def _entry(self, req: Request, chunk: int, ahead: int) -> Entry:
+        """Projection entry for `req`, which feeds `chunk` tokens this step with `ahead` prompt
+        tokens of earlier requests still to prefill after this step."""
+        remaining = req.reserved_new - req.generated
+        rest = req.prefill_left - chunk
+        if rest <= 0:
+            return Entry(self.step + remaining, req.context_len - self.step, req.reserved_total)
+        cap = self.config.max_prefill_weight
+        delay = -(-(ahead + rest) // cap)  # FIFO: every later step gives earlier prompts the full cap
+        return Entry(self.step + delay + remaining, req.context_len - self.step, req.reserved_total, False)
+
+    def _get_profile(self) -> TokenProfile | PaddedProfile:
+        if self._profile is None:
+            entries: list[Entry] = []
+            cap = self.config.max_prefill_weight
+            left = cap  # this step's chunks, assigned as in _running_work
+            ahead = 0
+            step = self.step
+            for req in self.running.values():
+                if req.decoding:  # the common case, inlined: this runs for every request on every rebuild
+                    inp, gen = req.input_len, req.generated
+                    entries.append(Entry(step + req.reserved_new - gen, inp + gen - step, inp + req.reserved_new))
+                    continue
+                chunk = req.prefill_left
+                if cap:
+                    chunk = min(chunk, left)
+                    left -= chunk
+                entries.append(self._entry(req, chunk, ahead))
+                ahead += req.prefill_left - chunk
+            self._profile = self.weight.profile(entries)
+        return self._profile
+
+    def _naive_fits(self, final: int) -> bool:
+        """The fast path: does the sum of every final weight, the candidate's included, fit?"""
+        if self.weight.name == "token":
+            return self._committed + self.weight.seq(final) <= self.budget
+        finals = [r.reserved_total for r in self.running.values()]
+        return (len(finals) + 1) * max(max(finals, default=0), final) <= self.budget
+
+    def fits(self, req: Request, chunk: int | None = None, ahead: int = 0) -> bool:
+        """Could `req` (reservation set) be admitted now without the weight ever exceeding the budget?"""
+        if self._naive_fits(req.reserved_total):
+            self.stats.admitted_fast += 1
+            return True
+        entry = self._entry(req, req.prefill_left if chunk is None else chunk, ahead)
+        if self._get_profile().admits(entry, self.budget):
+            self.stats.admitted_projected += 1
+            return True
+        self.stats.rejected_projected += 1
+        return False
+
+    def _admit(self, now: float, plan: StepPlan, prefill_state: list[int]) -> None:
+        cfg = self.config
+        size_cap = cfg.max_batch_size
+        count, longest, total = prefill_state
+        ahead = sum(r.prefill_left for r in self.running.values() if not r.decoding) - total
+        first_blocked: Request | None = None
+        first_idx = 0
+        taken: list[int] = []
+        refused: list[tuple[int, int]] = []
+        for idx, cand in enumerate(self.waiting):
+            if size_cap and len(self.running) >= size_cap:
+                break
+            if first_blocked is not None and (
+                cfg.jump_window_s <= 0
+                or idx - first_idx > cfg.jump_scan
+                or cand.arrival_s - first_blocked.arrival_s > cfg.jump_window_s
+                or now - first_blocked.arrival_s > cfg.max_wait_s
+            ):
+                break
+            p = cand.prefill_left
+            chunk = self._prefill_chunk(p, count, longest, total)
+            if chunk == 0:
+                break  # this step's prefill budget is spent
+            if chunk is None:  # a prompt over the cap runs only when prefilled alone
+                if first_blocked is None:
+                    first_blocked, first_idx = cand, idx
+                continue
+            cand.reserved_new = self._reserve(cand)
+            ctx, res = cand.context_len, cand.reserved_new
+            # A candidate at least as long in context and reservation as one refused in this pass
+            # is refused too (it weighs at least as much at every step): skip its projection.
+            dominated = any(c <= ctx and r <= res for c, r in refused)
+            if dominated or not self.fits(cand, chunk, ahead):
+                if not dominated and len(refused) < 16:
+                    refused.append((ctx, res))
+                if first_blocked is None:
+                    first_blocked, first_idx = cand, idx
+                continue
+            taken.append(idx)
+            self._start(cand)
+            plan.admitted.append(cand)
+            plan.prefill.append((cand, chunk))
+            count, longest, total = count + 1, max(longest, chunk), total + chunk
+            ahead += p - chunk
+        if taken:
+            drop = set(taken)
+            self.waiting = [r for i, r in enumerate(self.waiting) if i not in drop]
+        else:
+            self._idle = True
+
+    def _prefill_chunk(self, prompt: int, count: int, longest: int, total: int) -> int | None:
+        """Tokens of `prompt` to prefill this step given the chunks already planned: the whole prompt
+        when it fits the cap, a chunk of what is left (chunked prefill), 0 when nothing is left, or
+        None when the prompt must wait to be prefilled alone."""
+        cap = self.config.max_prefill_weight
+        w = self.weight
+        if not cap or w.prefill(count + 1, max(longest, prompt), total + prompt) <= cap:
+            return prompt
+        if w.name == "token" and total >= cap:
+            return 0
+        if self.config.chunked_prefill and w.name == "token":
+            return cap - total
+        return None if count else prompt
+
+    def _start(self, req: Request) -> None:
+        req.admitted_step = self.step
+        req.prefilled = 0
+        req.decoding = False
+        self.running[req.id] = req
+        self._committed += self.weight.seq(req.reserved_total)
+        self._invalidate()
+        self.stats.admitted += 1
+
+    def _preempt(self, req: Request) -> None:
+        """Send a running request back to the queue; it keeps its tokens and is prefilled again."""
+        del self.running[req.id]
+        self._release(req)
+        self.stats.preemptions += 1
+        self.stats.preempted_tokens += req.prefilled
+        req.preemptions += 1
+        req.prefilled = 0
+        req.decoding = False
+        self._enqueue(req)
+
+    def _regrow(self) -> list[Request]:
+        """Predictive mode: extend reservations that ran out, then, if the next step's growth would not
+        fit in the budget, preempt the newest requests until it does. The budget is never exceeded.
+
+        A projection that overflows after a reservation grows stops admission, but preempts nothing:
+        reservations are estimates, and most running requests finish well inside theirs."""
+        for req in self.running.values():
+            if req.decoding and req.generated >= req.reserved_new:
+                old = self.weight.seq(req.reserved_total)
+                req.reserved_new = self._reserve(req)
+                self._committed += self.weight.seq(req.reserved_total) - old
+                self._invalidate()
+        preempted: list[Request] = []
+        while self.running and self._next_weight() > self.budget:
+            victim = max(self.running.values(), key=lambda r: self._order[r.id])
+            self._preempt(victim)
+            preempted.append(victim)
+        return preempted
+
+    def _next_weight(self) -> int:
+        """The weight after the next step if every running request emits a token (a prefilling one
+        emits with its last chunk, so it is counted as growing too: conservative by at most a block)."""
+        return self.weight.batch([r.context_len + 1 for r in self.running.values()])

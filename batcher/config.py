@@ -1,0 +1,87 @@
+"""Batcher configuration: one frozen object, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+WeightModelName = Literal["token", "padded"]
+Mode = Literal["worst_case", "predictive"]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot serve even one maximal request."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatcherConfig:
+    """How the batcher spends the KV budget.
+
+    max_batch_weight: tokens of KV memory (token model) or batch_size x padded length (padded model).
+        None means "infer": max_batch_size x max_total_tokens; the engine may instead derive it from
+        free memory before calling `resolved()`.
+    max_batch_size: a cap on running requests; 0 means the weight alone limits the batch.
+    max_total_tokens: the longest input + max_new_tokens a request may ask for.
+    max_prefill_weight: prompt tokens (prefill weight) admitted into one step; 0 turns the cap off.
+    chunked_prefill: split prompts longer than the cap across steps (token model only).
+    jump_window_s: a later request may be admitted ahead of a waiting one that does not fit only if
+        it arrived within this many seconds after it; 0 turns jumping off (strict FIFO).
+    max_wait_s: once the first blocked request has waited this long, nothing jumps past it.
+    jump_scan: at most this many waiting requests are examined past the first blocked one per step,
+        which bounds the cost of a step when thousands wait.
+    mode: "worst_case" reserves max_new_tokens (never preempts); "predictive" reserves an estimated
+        output length and preempts the newest requests when a reservation must grow and cannot.
+    """
+
+    max_batch_weight: int | None = None
+    max_batch_size: int = 0
+    max_total_tokens: int = 2048
+    max_prefill_weight: int = 0
+    chunked_prefill: bool = True
+    weight_model: WeightModelName = "token"
+    block_size: int = 1
+    jump_window_s: float = 1.0
+    max_wait_s: float = 30.0
+    jump_scan: int = 256
+    mode: Mode = "worst_case"
+    predictive_quantile: float = 0.88
+    predictive_min_samples: int = 32
+    predictive_window: int = 4096
+
+    def resolved(self) -> BatcherConfig:
+        """Fill in max_batch_weight and check that one maximal request fits; raises ConfigError."""
+        cfg = self
+        if cfg.max_total_tokens < 2:
+            raise ConfigError(f"max_total_tokens must be >= 2 (got {cfg.max_total_tokens})")
+        if cfg.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1 (got {cfg.block_size})")
+        if cfg.max_batch_size < 0 or cfg.max_prefill_weight < 0:
+            raise ConfigError("max_batch_size and max_prefill_weight must be >= 0")
+        if cfg.weight_model not in ("token", "padded"):
+            raise ConfigError(f"weight_model must be 'token' or 'padded' (got {cfg.weight_model!r})")
+        if cfg.mode not in ("worst_case", "predictive"):
+            raise ConfigError(f"mode must be 'worst_case' or 'predictive' (got {cfg.mode!r})")
+        if cfg.weight_model == "padded" and cfg.chunked_prefill and cfg.max_prefill_weight:
+            cfg = replace(cfg, chunked_prefill=False)  # a padded batch prefills whole prompts
+        if not 0.0 < cfg.predictive_quantile <= 1.0:
+            raise ConfigError(f"predictive_quantile must be in (0, 1] (got {cfg.predictive_quantile})")
+        one = _round_up(cfg.max_total_tokens, cfg.block_size if cfg.weight_model == "token" else 1)
+        if cfg.max_batch_weight is None:
+            if cfg.max_batch_size <= 0:
+                raise ConfigError(
+                    "max_batch_weight is unset and cannot be inferred: set max_batch_weight, or "
+                    "max_batch_size (weight = max_batch_size x max_total_tokens)"
+                )
+            cfg = replace(cfg, max_batch_weight=cfg.max_batch_size * one)
+        if cfg.max_batch_weight < one:
+            raise ConfigError(
+                f"max_batch_weight={cfg.max_batch_weight} is below the weight of one max-length request "
+                f"({one} = max_total_tokens {cfg.max_total_tokens}"
+                + (f" rounded up to block_size {cfg.block_size}" if one != cfg.max_total_tokens else "")
+                + "): raise max_batch_weight or lower max_total_tokens"
+            )
+        return cfg
+
+
+def _round_up(n: int, block: int) -> int:
+    return -(-n // block) * block

@@ -1,0 +1,52 @@
+"""A request as the batcher sees it: lengths and progress, no text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class RequestRejected(ValueError):
+    """A request that can never run under this configuration; `field` names the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Lengths and progress of one generation.
+
+    `generated` counts output tokens produced so far; `prefilled` counts context tokens whose KV is
+    written. A preempted request keeps `generated` and is prefilled again (input + generated) on
+    readmission. `reserved_new` is how many output tokens admission reserves: max_new_tokens in the
+    worst-case mode, an estimate in the predictive mode.
+    """
+
+    id: str
+    input_len: int
+    max_new_tokens: int
+    arrival_s: float = 0.0
+    generated: int = 0
+    prefilled: int = 0
+    reserved_new: int = 0
+    decoding: bool = False  # emitted a token since its last (re)admission
+    admitted_step: int = -1
+    preemptions: int = 0
+
+    @property
+    def context_len(self) -> int:
+        return self.input_len + self.generated
+
+    @property
+    def max_total(self) -> int:
+        return self.input_len + self.max_new_tokens
+
+    @property
+    def reserved_total(self) -> int:
+        return self.input_len + self.reserved_new
+
+    @property
+    def prefill_left(self) -> int:
+        """Tokens still to feed before this request emits again (1 for a decoding request)."""
+        return self.context_len - self.prefilled

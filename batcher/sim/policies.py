@@ -1,0 +1,73 @@
+"""The admission policies the simulator compares, all at the same KV budget.
+
+static:     a fixed max_batch_size sized for the worst case (budget // max_total_tokens), FIFO.
+tgi:        upstream TGI's rule: sum of (input + max_new_tokens) within the budget, strict FIFO.
+optimistic: admits on current usage; when memory runs out, preempts the newest (recompute).
+weighted:   exact projection, bounded jumping, prefill cap (the default batcher).
+predictive: reserves an estimated output length; grows reservations, preempting if they cannot grow.
+oracle:     exact projection with every true output length known (an upper bound).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..admission import Batcher, StepPlan
+from ..config import BatcherConfig
+from ..request import Request
+
+
+class StaticBatcher(Batcher):
+    def __init__(self, config: BatcherConfig) -> None:
+        super().__init__(replace(config, jump_window_s=0.0))
+        self.slots = self.budget // self.config.max_total_tokens
+
+    def fits(self, req: Request, chunk: int | None = None, ahead: int = 0) -> bool:
+        return len(self.running) < self.slots
+
+
+class TgiBatcher(Batcher):
+    def __init__(self, config: BatcherConfig) -> None:
+        super().__init__(replace(config, jump_window_s=0.0, mode="worst_case"))
+
+    def fits(self, req: Request, chunk: int | None = None, ahead: int = 0) -> bool:
+        return self._naive_fits(req.reserved_total)
+
+
+class OptimisticBatcher(Batcher):
+    """Admits on current usage; when a step's growth overflows the budget, preempts the newest."""
+
+    def __init__(self, config: BatcherConfig) -> None:
+        super().__init__(replace(config, jump_window_s=0.0, mode="worst_case"))
+
+    def fits(self, req: Request, chunk: int | None = None, ahead: int = 0) -> bool:
+        used = self.weight.batch([r.context_len for r in self.running.values()] + [req.context_len])
+        return used <= self.budget
+
+    def schedule(self, now: float) -> StepPlan:
+        preempted: list[Request] = []
+        while self.running and self.batch_weight() > self.budget:
+            victim = max(self.running.values(), key=lambda r: self._order[r.id])
+            self._preempt(victim)
+            preempted.append(victim)
+        plan = super().schedule(now)
+        plan.preempted = preempted + plan.preempted
+        return plan
+
+
+POLICIES = ("static", "tgi", "optimistic", "weighted", "predictive", "oracle")
+
+
+def make_batcher(policy: str, config: BatcherConfig) -> Batcher:
+    """The oracle is the weighted batcher fed max_new_tokens = true length (see simulator)."""
+    if policy == "static":
+        return StaticBatcher(config)
+    if policy == "tgi":
+        return TgiBatcher(config)
+    if policy == "optimistic":
+        return OptimisticBatcher(config)
+    if policy in ("weighted", "oracle"):
+        return Batcher(replace(config, mode="worst_case"))
+    if policy == "predictive":
+        return Batcher(replace(config, mode="predictive"))
+    raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")

@@ -1,0 +1,123 @@
+"""Run a trace through a batcher and a modelled engine, step by step, and measure what users see."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from ..config import BatcherConfig
+from ..request import Request
+from .cost import StepCost
+from .policies import POLICIES, make_batcher
+from .trace import TraceRequest
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]) of unsorted values; 0.0 when empty."""
+    if not values:
+        return 0.0
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def simulate(
+    trace: list[TraceRequest],
+    policy: str,
+    config: BatcherConfig,
+    cost: StepCost | None = None,
+    *,
+    max_steps: int = 5_000_000,
+) -> dict:
+    """Simulate one policy; returns its metrics (see `weightq sim --help`)."""
+    cost = cost or StepCost()
+    batcher = make_batcher(policy, config)
+    budget = batcher.budget
+    n = len(trace)
+    true_len: list[int] = []
+    reqs: list[Request] = []
+    for i, tr in enumerate(trace):
+        out = min(tr.output_len, tr.max_new_tokens)
+        true_len.append(out)
+        max_new = out if policy == "oracle" else tr.max_new_tokens
+        reqs.append(Request(str(i), tr.input_len, max_new, tr.arrival_s))
+    order = sorted(range(n), key=lambda i: trace[i].arrival_s)
+    first_token = [0.0] * n
+    done_at = [0.0] * n
+    t = trace[order[0]].arrival_s if n else 0.0
+    start = t
+    nxt = finished = steps = peak = violations = 0
+    while finished < n:
+        while nxt < n and trace[order[nxt]].arrival_s <= t:
+            batcher.submit(reqs[order[nxt]])
+            nxt += 1
+        if not batcher.running and not batcher.waiting:
+            t = trace[order[nxt]].arrival_s
+            continue
+        plan = batcher.schedule(t)
+        if not plan:
+            raise RuntimeError(f"{policy}: nothing runnable with {len(batcher.waiting)} waiting (deadlock)")
+        kv = sum(r.prefilled + c for r, c in plan.prefill) + sum(r.context_len for r in plan.decode)
+        t += cost(plan.num_tokens, kv)
+        steps += 1
+        if steps > max_steps:
+            raise RuntimeError(f"{policy}: no progress after {max_steps} steps")
+        emitted = batcher.complete(plan)
+        weight = batcher.batch_weight()
+        peak = max(peak, weight)
+        violations += weight > budget
+        for r in emitted:
+            i = int(r.id)
+            if r.generated == 1 and not first_token[i]:
+                first_token[i] = t
+            if r.generated >= true_len[i]:
+                batcher.finish(r.id)
+                done_at[i] = t
+                finished += 1
+    makespan = max(done_at) - start if n else 0.0
+    ttft = [first_token[i] - trace[i].arrival_s for i in range(n)]
+    tpot = [(done_at[i] - first_token[i]) / (true_len[i] - 1) for i in range(n) if true_len[i] > 1]
+    generated = sum(true_len)
+    stats = batcher.stats
+    return {
+        "output_tokens_per_s": round(generated / makespan, 2) if makespan else 0.0,
+        "requests_per_s": round(n / makespan, 3) if makespan else 0.0,
+        "ttft_p50_s": round(percentile(ttft, 50), 4),
+        "ttft_p99_s": round(percentile(ttft, 99), 4),
+        "tpot_p50_s": round(percentile(tpot, 50), 5),
+        "tpot_p99_s": round(percentile(tpot, 99), 5),
+        "peak_weight": peak,
+        "budget": budget,
+        "overflow_steps": violations,
+        "preempted_tokens": stats.preempted_tokens,
+        "generated_tokens": generated,
+        "steps": steps,
+        "makespan_s": round(makespan, 3),
+        "preemptions": stats.preemptions,
+    }
+
+
+def simulate_policies(
+    trace: list[TraceRequest],
+    config: BatcherConfig,
+    cost: StepCost | None = None,
+    policies: tuple[str, ...] = POLICIES,
+    trace_info: dict | None = None,
+) -> dict:
+    """The JSON document of `weightq sim --json`: the trace, the cost model, one entry per policy."""
+    cost = cost or StepCost()
+    cfg = config.resolved()
+    info = dict(trace_info or {})
+    info.update(
+        requests=len(trace),
+        mean_input=round(sum(r.input_len for r in trace) / max(1, len(trace)), 1),
+        mean_output=round(sum(min(r.output_len, r.max_new_tokens) for r in trace) / max(1, len(trace)), 1),
+        budget=cfg.max_batch_weight,
+        max_total_tokens=cfg.max_total_tokens,
+        max_prefill_weight=cfg.max_prefill_weight,
+        jump_window_s=cfg.jump_window_s,
+        max_wait_s=cfg.max_wait_s,
+        step_cost=asdict(cost),
+    )
+    return {"trace": info, "policies": {p: simulate(trace, p, cfg, cost) for p in policies}}

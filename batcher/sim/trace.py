@@ -1,0 +1,67 @@
+"""Request traces: ShareGPT-like synthetic lengths, or a JSONL file."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    input_len: int
+    output_len: int  # the true length: the request stops (EOS) after this many tokens
+    max_new_tokens: int
+    arrival_s: float = 0.0
+
+
+def sharegpt_like(
+    n: int = 2000,
+    *,
+    seed: int = 0,
+    max_new_tokens: int = 1024,
+    rate: float | None = None,
+    max_input: int = 1024,
+    max_total: int = 2048,
+) -> list[TraceRequest]:
+    """Heavy-tailed lengths like ShareGPT (mean ~215 prompt, ~200 output tokens), filtered as vLLM's
+    serving benchmark does: prompt >= 4, output >= 4, prompt <= 1024, prompt + output <= 2048.
+    Arrivals are Poisson at `rate` requests/s, or all at t=0 when rate is None."""
+    rng = random.Random(seed)
+    out: list[TraceRequest] = []
+    t = 0.0
+    while len(out) < n:
+        prompt = int(rng.lognormvariate(math.log(140), 1.05))
+        output = int(rng.lognormvariate(math.log(105), 1.15))
+        if prompt < 4 or output < 4 or prompt > max_input or prompt + output > max_total:
+            continue
+        if rate:
+            t += rng.expovariate(rate)
+        out.append(TraceRequest(prompt, output, max_new_tokens, t))
+    return out
+
+
+def load_trace(path: str | Path, max_new_tokens: int = 1024) -> list[TraceRequest]:
+    """JSONL lines {"input_len": int, "output_len": int} with optional "max_new_tokens", "arrival_s"."""
+    out: list[TraceRequest] = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+                req = TraceRequest(
+                    int(d["input_len"]),
+                    int(d["output_len"]),
+                    int(d.get("max_new_tokens", max_new_tokens)),
+                    float(d.get("arrival_s", 0.0)),
+                )
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{lineno}: bad trace line ({e!r}): {line.strip()[:200]}") from e
+            if req.input_len < 1 or req.output_len < 1 or req.max_new_tokens < 1 or req.arrival_s < 0:
+                raise ValueError(f"{path}:{lineno}: lengths must be >= 1 and arrival_s >= 0")
+            out.append(req)
+    out.sort(key=lambda r: r.arrival_s)
+    return out

@@ -1,0 +1,141 @@
+"""Property tests: the projection is exact, and no schedule ever exceeds the budget or starves."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from batcher import Batcher, BatcherConfig, Entry, Request, weight_model
+from batcher.projection import ceil_to
+from tests.conftest import drive
+
+# WEIGHTQ_EXAMPLES=5000 for a thorough run; CI keeps the default.
+SETTINGS = settings(
+    max_examples=int(os.environ.get("WEIGHTQ_EXAMPLES", "150")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+@st.composite
+def entries(draw, max_n=12):
+    out = []
+    for _ in range(draw(st.integers(0, max_n))):
+        context = draw(st.integers(1, 60))
+        remaining = draw(st.integers(1, 60))
+        delay = draw(st.sampled_from([0, 0, 0, draw(st.integers(1, 5))]))
+        out.append(Entry(delay + remaining, context, context + remaining, growing=delay == 0))
+    return out
+
+
+def brute_load(ents: list[Entry], model: str, block: int, t: int) -> int:
+    alive = [e for e in ents if e.finish >= t]
+    lengths = [e.offset + t if e.growing else e.final for e in alive]
+    if model == "token":
+        return sum(ceil_to(n, block) for n in lengths)
+    return len(lengths) * max(lengths, default=0)
+
+
+def brute_peak(ents, model, block):
+    return max((brute_load(ents, model, block, t) for t in range(0, 70)), default=0)
+
+
+@SETTINGS
+@given(
+    ents=entries(),
+    cand=entries(max_n=1),
+    model=st.sampled_from(["token", "padded"]),
+    block=st.sampled_from([1, 3, 16]),
+    budget=st.integers(50, 800),
+)
+def test_profile_is_exact(ents, cand, model, block, budget):
+    block = block if model == "token" else 1
+    profile = weight_model(model, block).profile(ents)
+    assert profile.peak() == brute_peak(ents, model, block)
+    for t in (0, 1, 7, 30, 61):
+        assert profile.load_at(t) == brute_load(ents, model, block, t)
+    if cand:
+        expected = brute_peak([*ents, cand[0]], model, block) <= budget
+        assert profile.admits(cand[0], budget) == expected
+
+
+@st.composite
+def workloads(draw):
+    model = draw(st.sampled_from(["token", "padded"]))
+    block = draw(st.sampled_from([1, 4, 16])) if model == "token" else 1
+    max_total = draw(st.integers(8, 80))
+    budget = draw(st.integers(ceil_to(max_total, block), 4 * max_total))
+    cap = draw(st.sampled_from([0, 0, draw(st.integers(1, 2 * max_total))]))
+    cfg = BatcherConfig(
+        max_batch_weight=budget,
+        max_total_tokens=max_total,
+        max_batch_size=draw(st.sampled_from([0, 0, draw(st.integers(1, 6))])),
+        max_prefill_weight=cap,
+        chunked_prefill=draw(st.booleans()),
+        weight_model=model,
+        block_size=block,
+        jump_window_s=draw(st.sampled_from([0.0, 0.3, 1.0, 1e9])),
+        max_wait_s=draw(st.sampled_from([0.5, 2.0, 1e9])),
+    )
+    reqs, stop_at = [], {}
+    t = 0.0
+    for i in range(draw(st.integers(1, 25))):
+        t += draw(st.sampled_from([0.0, 0.05, 0.3, 1.0]))
+        inp = draw(st.integers(1, max_total - 1))
+        new = draw(st.integers(1, max_total - inp))
+        reqs.append(Request(str(i), inp, new, arrival_s=t))
+        if draw(st.booleans()):
+            stop_at[str(i)] = draw(st.integers(1, new))
+    return cfg, reqs, stop_at
+
+
+def check_jumps(cfg: BatcherConfig, reqs: list[Request], run) -> None:
+    """Y may be admitted before an earlier X only within the window and before X waited max_wait."""
+    arrival = {r.id: r.arrival_s for r in reqs}
+    admitted_at = {rid: (step, now) for step, now, rid in run.admitted}
+    for y, (y_step, y_now) in admitted_at.items():
+        for x, (x_step, _) in admitted_at.items():
+            if arrival[x] < arrival[y] and x_step > y_step and arrival[x] <= y_now:
+                assert cfg.jump_window_s > 0, f"{y} jumped {x} with jumping off"
+                assert arrival[y] - arrival[x] <= cfg.jump_window_s
+                assert y_now - arrival[x] <= cfg.max_wait_s
+
+
+@SETTINGS
+@given(workloads())
+def test_weight_never_exceeds_budget_and_everyone_finishes(work):
+    cfg, reqs, stop_at = work
+    b = Batcher(cfg)
+    cap = cfg.max_prefill_weight or 10**9
+    # Liveness: even one request at a time, each finishes within its prefill chunks + max_new steps.
+    bound = sum(-(-r.max_total // cap) + r.max_new_tokens for r in reqs) + len(reqs)
+    run = drive(b, reqs, stop_at, max_steps=bound + 200)  # asserts weight <= budget after every step
+    assert len(run.finished) == len(reqs)
+    check_jumps(b.config, reqs, run)
+    assert not b.running and not b.waiting and b._committed == 0
+
+
+@SETTINGS
+@given(workloads())
+def test_fifo_when_jumping_is_off(work):
+    cfg, reqs, stop_at = work
+    b = Batcher(replace(cfg, jump_window_s=0.0))
+    run = drive(b, reqs, stop_at)
+    order = [rid for _, _, rid in run.admitted]
+    assert order == [r.id for r in sorted(reqs, key=lambda r: (r.arrival_s, int(r.id)))]
+
+
+@SETTINGS
+@given(workloads(), st.floats(0.5, 0.99))
+def test_predictive_mode_never_exceeds_budget(work, quantile):
+    cfg, reqs, stop_at = work
+    b = Batcher(replace(cfg, mode="predictive", predictive_quantile=quantile, predictive_min_samples=2))
+    # Repeat the workload so the estimator learns short lengths, then meets long ones.
+    first = [Request(f"a{r.id}", r.input_len, r.max_new_tokens, r.arrival_s) for r in reqs]
+    stops = {f"a{k}": v for k, v in stop_at.items()}
+    run = drive(b, first + reqs, stops | {r.id: r.max_new_tokens for r in reqs})
+    assert len(run.finished) == 2 * len(reqs)
+    assert not b.running and b._committed == 0
