@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/weightq sim
+	$(VENV)/bin/weightq generate "The scheduler admits" "Café, Größe: 日本語 🎉"
+	$(VENV)/bin/weightq sim --requests 500
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -26,6 +27,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/weightq sim --json
 	$(PY) -m bench.admission --json
+	$(PY) -m bench.engine --json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -106,10 +106,62 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="run prompts through the engine in this process and stream the text",
+        description="Load MODEL into the continuous-batching engine and generate, streaming tokens to the terminal.",
+    )
+    p.add_argument("prompts", nargs="*", default=["The scheduler admits"], help="prompts (default: one demo prompt)")
+    p.add_argument("--model", default="builtin:tiny", help="builtin:tiny, a local directory, or a cached hub id")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-batch-weight", type=int, default=None, help="KV capacity in tokens (default: from memory)")
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine import Engine, EngineConfig, FinishEvent, GenerationRequest, SamplingParams
+
+    engine = Engine(EngineConfig(model=args.model, device=args.device, max_batch_weight=args.max_batch_weight))
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
+    engine.start()
+    try:
+        handles = [
+            engine.submit(GenerationRequest(f"cli-{i}", prompt=p, params=params), stream=True)
+            for i, p in enumerate(args.prompts)
+        ]
+        for prompt, handle in zip(args.prompts, handles, strict=True):
+            print(f"\n>>> {prompt}", end="", flush=True)
+            for event in handle.events(timeout=600):
+                if isinstance(event, FinishEvent):
+                    if event.error:
+                        print(f"\n[error] {event.error}")
+                        return 1
+                    ttft_ms = event.ttft_s * 1000
+                    print(
+                        f"\n[{event.reason}: {event.completion_tokens} tokens, first after {ttft_ms:.0f} ms, "
+                        f"{event.total_s:.2f} s]"
+                    )
+                else:
+                    print(event.text, end="", flush=True)
+        stats = engine.stats()
+        print(f"engine: {stats['steps']} steps, attention {stats['attention']}, KV cache {engine.kv_derivation}")
+    finally:
+        engine.stop()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="weightq", description="Celery-native LLM generation, batched by weight.")
     sub = parser.add_subparsers(dest="command", required=True)
     _sim_parser(sub)
+    _generate_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

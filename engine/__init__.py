@@ -1,0 +1,21 @@
+"""weightq's engine: transformers models over a paged KV cache, continuously batched."""
+
+from .config import EngineConfig
+from .loop import Engine, Handle
+from .models import LoadedModel, ModelNotFound, load_model
+from .params import Event, FinishEvent, GenerationRequest, InvalidRequest, SamplingParams, TokenEvent
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "Event",
+    "FinishEvent",
+    "GenerationRequest",
+    "Handle",
+    "InvalidRequest",
+    "LoadedModel",
+    "ModelNotFound",
+    "SamplingParams",
+    "TokenEvent",
+    "load_model",
+]

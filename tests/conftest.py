@@ -67,3 +67,31 @@ def drive(
         run.steps += 1
         assert run.steps <= max_steps, "no progress"
     return run
+
+
+# ----- engine fixtures: the built-in tiny model, loaded once per session ---------------------------
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_path():
+    from engine.builtin import builtin_path
+
+    return builtin_path("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded():
+    """The tiny model loaded for the engine (paged attention)."""
+    from engine.attention import register
+    from engine.models import load_model
+
+    return load_model("builtin:tiny", device="cpu", attn_implementation=register("sdpa"))
+
+
+@pytest.fixture(scope="session")
+def reference_model(tiny_path):
+    """A separate copy of the tiny model with transformers' own attention: the reference."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_path, attn_implementation="sdpa").eval()

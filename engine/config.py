@@ -1,0 +1,37 @@
+"""Engine configuration: one frozen object (the worker builds it from its settings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """model: builtin:tiny, a local directory, or a hub id in the local cache.
+    max_batch_weight: KV capacity in tokens; None derives it from max_batch_size x max_total_tokens
+        when max_batch_size is set, else from memory (cpu_kv_bytes, or gpu_memory_fraction of free
+        CUDA memory after loading).
+    max_total_tokens / max_input_length: 0 means the model's context limit (and that minus one).
+    block_size: 0 picks 16 for SDPA and 256 for flash-attn (its paged kernels need multiples of 256).
+    """
+
+    model: str = "builtin:tiny"
+    device: str = "auto"
+    dtype: str = "auto"
+    attention: Literal["auto", "sdpa", "flash"] = "auto"
+    block_size: int = 0
+    max_batch_weight: int | None = None
+    max_batch_size: int = 0
+    max_total_tokens: int = 0
+    max_input_length: int = 0
+    max_prefill_weight: int = 2048
+    cpu_kv_bytes: int = 512 * 2**20
+    gpu_memory_fraction: float = 0.85
+    mode: Literal["worst_case", "predictive"] = "worst_case"
+    predictive_quantile: float = 0.88
+    jump_window_s: float = 1.0
+    max_wait_s: float = 30.0
+    seed: int = 0
+    allow_download: bool = True  # False: a hub id must already be in the local cache
+    check_invariants: bool = False  # tests: verify the KV pool and the budget after every step

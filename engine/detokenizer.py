@@ -1,0 +1,89 @@
+"""Incremental detokenization and stop sequences.
+
+Byte-level tokenizers split multi-byte characters across tokens, and decoding a token alone can
+yield half a character. The detokenizer decodes a small window of recent tokens and only releases
+text once it no longer ends in an incomplete character (U+FFFD), so every delta is whole
+characters and the deltas concatenate to the full decode (the approach of TGI and vLLM).
+Text that could be the start of a stop sequence is held back until it is known not to be one, so
+the stream never shows text that the final result excludes.
+"""
+
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self._prefix = 0  # window start: decoding from here gives context for the next token
+        self._read = 0  # tokens before this have been released as text
+
+    def push(self, token_id: int) -> str:
+        return push_many([self], [token_id])[0]
+
+    def _windows(self) -> tuple[list[int], list[int]]:
+        return self.ids[self._prefix : self._read], self.ids[self._prefix :]
+
+    def _advance(self, prefix_text: str, new_text: str) -> str:
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return new_text[len(prefix_text) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held (e.g. a character cut off by the end of generation)."""
+        old, new = (decode_many(self.tokenizer, list(w)) for w in zip(self._windows(), strict=True))
+        self._prefix = self._read = len(self.ids)
+        return new[0][len(old[0]) :]
+
+
+def decode_many(tokenizer, windows: list[list[int]]) -> list[str]:
+    """Decode several id lists, straight through the Rust tokenizer when there is one: its Python
+    wrapper costs several times the decode itself, and its parallel batch decode more still."""
+    rust = getattr(tokenizer, "_tokenizer", None)
+    if rust is not None and hasattr(rust, "decode"):
+        decode = rust.decode
+        return [decode(w, skip_special_tokens=True) for w in windows]
+    return [tokenizer.decode(w, skip_special_tokens=True) for w in windows]
+
+
+def push_many(detoks: list[IncrementalDetokenizer], tokens: list[int]) -> list[str]:
+    """Push one token into each detokenizer (all of one tokenizer); returns each new text."""
+    if not detoks:
+        return []
+    windows: list[list[int]] = []
+    for d, t in zip(detoks, tokens, strict=True):
+        d.ids.append(t)
+        windows.extend(d._windows())
+    texts = decode_many(detoks[0].tokenizer, windows)
+    return [d._advance(texts[2 * i], texts[2 * i + 1]) for i, d in enumerate(detoks)]
+
+
+class StopMatcher:
+    """Finds stop sequences in streamed text; `feed` returns (text safe to emit, stopped)."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self._longest = max((len(s) for s in stops), default=0)
+        self._prefixes = {s[:k] for s in stops for k in range(1, len(s))}
+        self.pending = ""
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        if not self.stops:
+            return delta, False
+        text = self.pending + delta
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.pending = ""
+            return text[:cut], True
+        hold = 0
+        for k in range(min(len(text), self._longest - 1), 0, -1):
+            if text[-k:] in self._prefixes:
+                hold = k
+                break
+        self.pending = text[len(text) - hold :] if hold else ""
+        return text[: len(text) - hold], False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out

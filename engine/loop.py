@@ -1,0 +1,435 @@
+"""The engine: continuous decoding, one step at a time, on its own thread.
+
+submit() and cancel() may be called from any thread; they only queue work. The engine thread
+drains that queue, asks the batcher for a plan, runs one packed forward pass, samples, detokenizes
+and reports events (token, finish) to the caller's sink and to per-request handles.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+
+import torch
+
+from batcher import Batcher, BatcherConfig, ConfigError, Request, RequestRejected
+
+from .attention import register
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer, StopMatcher, push_many
+from .flash import available as flash_available
+from .kv_cache import KVCache, derive_capacity
+from .models import LoadedModel, load_model, resolve_device
+from .params import Event, FinishEvent, FinishReason, GenerationRequest, InvalidRequest, TokenEvent
+from .runner import ModelRunner, Work
+from .sampling import sample
+from .sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class Handle:
+    """A submitted request: iterate its events (if streamed) or wait for its result."""
+
+    def __init__(self, request_id: str, stream: bool) -> None:
+        self.request_id = request_id
+        self._events: queue.SimpleQueue[Event] | None = queue.SimpleQueue() if stream else None
+        self._done = threading.Event()
+        self.final: FinishEvent | None = None
+
+    def _put(self, event: Event) -> None:
+        if self._events is not None:
+            self._events.put(event)
+        if isinstance(event, FinishEvent):
+            self.final = event
+            self._done.set()
+
+    def events(self, timeout: float | None = None) -> Iterator[Event]:
+        if self._events is None:
+            raise RuntimeError("submitted with stream=False: only result() is available")
+        while True:
+            event = self._events.get(timeout=timeout)
+            yield event
+            if isinstance(event, FinishEvent):
+                return
+
+    def result(self, timeout: float | None = None) -> FinishEvent:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+        assert self.final is not None
+        return self.final
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        sink: Callable[[Event], None] | None = None,
+        *,
+        loaded: LoadedModel | None = None,
+    ) -> None:
+        self.config = cfg = config or EngineConfig()
+        device = resolve_device(cfg.device)
+        backend = cfg.attention
+        if backend == "auto":
+            backend = "flash" if device.type == "cuda" and flash_available() else "sdpa"
+        if backend == "flash" and not flash_available():
+            raise ConfigError("attention='flash' needs CUDA and the flash-attn package (pip install weightq[cuda])")
+        self.backend = backend
+        attn_name = register(backend)
+        self.lm = lm = loaded or load_model(
+            cfg.model,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            attn_implementation=attn_name,
+            allow_download=cfg.allow_download,
+        )
+        if loaded is not None:
+            lm.model.set_attn_implementation(attn_name)
+        self.tokenizer = lm.tokenizer
+        block = cfg.block_size or (256 if backend == "flash" else 16)
+        max_total = min(cfg.max_total_tokens or lm.context_limit, lm.context_limit)
+        self.max_input_length = min(cfg.max_input_length or max_total - 1, max_total - 1)
+        weight = cfg.max_batch_weight
+        if weight is None and cfg.max_batch_size:
+            weight = cfg.max_batch_size * -(-max_total // block) * block
+        blocks, why = derive_capacity(
+            lm.geometry,
+            block,
+            lm.device,
+            max_batch_weight=weight,
+            cpu_kv_bytes=cfg.cpu_kv_bytes,
+            gpu_memory_fraction=cfg.gpu_memory_fraction,
+        )
+        log.info("KV cache: %s", why)
+        self.kv_derivation = why
+        self.cache = KVCache(lm.geometry, blocks, block, lm.device)
+        try:
+            self.batcher = Batcher(
+                BatcherConfig(
+                    max_batch_weight=blocks * block,
+                    max_batch_size=cfg.max_batch_size,
+                    max_total_tokens=max_total,
+                    max_prefill_weight=cfg.max_prefill_weight,
+                    chunked_prefill=True,
+                    block_size=block,
+                    jump_window_s=cfg.jump_window_s,
+                    max_wait_s=cfg.max_wait_s,
+                    mode=cfg.mode,
+                    predictive_quantile=cfg.predictive_quantile,
+                )
+            )
+        except ConfigError as e:
+            raise ConfigError(f"{e} (KV cache: {why})") from e
+        self.runner = ModelRunner(lm.model, self.cache, backend, lm.device)
+        self.sink = sink
+        self.seqs: dict[str, Sequence] = {}
+        self._handles: dict[str, Handle] = {}
+        self._inbox: deque[Sequence | FinishEvent] = deque()
+        self._cancels: deque[str] = deque()
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._generator = torch.Generator().manual_seed(cfg.seed)
+        self.counters = {
+            "steps": 0,
+            "prefill_tokens": 0,
+            "decode_tokens": 0,
+            "finished": 0,
+            "forward_s": 0.0,
+            "step_s": 0.0,
+        }
+        self._rate = {"t": time.monotonic(), "prefill": 0, "decode": 0, "prefill_tok_s": 0.0, "decode_tok_s": 0.0}
+
+    # ----- caller side (any thread) ---------------------------------------------------------------
+    def submit(self, request: GenerationRequest, *, stream: bool = False) -> Handle:
+        """Queue a request. Problems with it never raise here: they finish its handle with an error."""
+        handle = Handle(request.id, stream)
+        now = time.monotonic()
+        try:
+            item: Sequence | FinishEvent = self._prepare(request, now)
+        except (InvalidRequest, RequestRejected) as e:
+            item = self._error_event(request.id, str(e), 0, now)
+        with self._cv:
+            if request.id in self._handles:
+                item = self._error_event(request.id, f"id: request id {request.id!r} is already in flight", 0, now)
+                handle._put(item)
+                return handle
+            self._handles[request.id] = handle
+            self._inbox.append(item)
+            self._cv.notify()
+        return handle
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a queued or running request; its blocks are free before the next step."""
+        with self._cv:
+            known = request_id in self._handles
+            if known:
+                self._cancels.append(request_id)
+                self._cv.notify()
+        return known
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._stopping.clear()
+            self._thread = threading.Thread(target=self._run, name="weightq-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, reason: FinishReason = "cancelled", message: str | None = None) -> None:
+        """Stop the loop; every request still queued or running finishes with `reason`."""
+        self._stopping.set()
+        with self._cv:
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._drain()
+        for seq in list(self.seqs.values()):
+            self._finish(seq, reason, message)
+
+    def generate(self, requests: list[GenerationRequest]) -> list[FinishEvent]:
+        """Run requests to completion on the calling thread (offline use; the loop must not run)."""
+        if self._thread is not None:
+            raise RuntimeError("generate() runs the engine on the calling thread: stop() the loop first")
+        handles = [self.submit(r) for r in requests]
+        while any(h.final is None for h in handles):
+            if not self.step() and not self._inbox and not self._cancels:
+                raise RuntimeError("engine idle with unfinished requests")
+        return [h.final for h in handles]  # type: ignore[misc]
+
+    def stats(self) -> dict:
+        b, c = self.batcher, self.cache
+        return {
+            "running": len(b.running),
+            "waiting": len(b.waiting),
+            "batch_weight": b.batch_weight(),
+            "max_batch_weight": b.budget,
+            "kv_blocks_used": c.used_blocks,
+            "kv_blocks_total": c.num_blocks,
+            "block_size": c.block_size,
+            "prefill_tok_s": round(self._rate["prefill_tok_s"], 1),
+            "decode_tok_s": round(self._rate["decode_tok_s"], 1),
+            **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in self.counters.items()},
+            "model": self.config.model,
+            "attention": self.backend,
+            "mode": self.config.mode,
+        }
+
+    # ----- engine thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                worked = self.step()
+            except Exception as e:  # a failed step fails its requests, never the loop
+                log.exception("engine step failed")
+                for seq in list(self.seqs.values()):
+                    if seq.sched.id in self.batcher.running:
+                        self._finish(seq, "error", f"engine step failed: {e!r}")
+                continue
+            if not worked:
+                with self._cv:
+                    if not self._inbox and not self._cancels and not self._stopping.is_set():
+                        self._cv.wait(0.05)
+
+    def step(self) -> bool:
+        """One scheduling decision and one forward pass; False when there was nothing to run."""
+        t_start = time.perf_counter()
+        self._drain()
+        now = time.monotonic()
+        plan = self.batcher.schedule(now)
+        for req in plan.preempted:
+            self.cache.release(self.seqs[req.id].block_table)
+        if not plan:
+            return False
+        seqs = self.seqs
+        for req in plan.admitted:
+            seq = seqs[req.id]
+            if not seq.admitted_s:
+                seq.admitted_s = now
+        prefill: list[Work] = []
+        for req, n in plan.prefill:
+            seq = seqs[req.id]
+            self.cache.ensure(seq.block_table, req.prefilled + n)
+            prefill.append(Work(seq, req.prefilled, n, req.prefilled + n == req.context_len))
+        decode: list[Work] = []
+        for req in plan.decode:
+            seq = seqs[req.id]
+            self.cache.ensure(seq.block_table, req.prefilled + 1)
+            decode.append(Work(seq, req.prefilled, 1, True))
+        model_before = self.runner.model_s
+        logits = self.runner.forward(prefill, decode)
+        fwd = self.runner.model_s - model_before
+        emitted = [seqs[r.id] for r in self.batcher.complete(plan)]
+        tokens = sample(logits, emitted, self._generator)
+        done = time.monotonic()
+        eos = self.lm.eos_token_ids
+        texting = [(s, t) for s, t in zip(emitted, tokens, strict=True) if t not in eos or s.params.ignore_eos]
+        deltas = dict(
+            zip(
+                (s.id for s, _ in texting),
+                push_many([s.detok for s, _ in texting], [t for _, t in texting]),
+                strict=True,
+            )
+        )
+        for seq, tok in zip(emitted, tokens, strict=True):
+            self._accept(seq, tok, deltas.get(seq.id), done)
+        prefill_tokens = plan.prefill_tokens
+        self._count(prefill_tokens, len(plan.decode), fwd, time.perf_counter() - t_start)
+        if self.config.check_invariants:
+            self._check_invariants()
+        return True
+
+    def _prepare(self, request: GenerationRequest, now: float) -> Sequence:
+        params = request.params
+        params.validate()
+        if request.prompt_token_ids is not None:
+            ids = list(request.prompt_token_ids)
+            vocab = len(self.tokenizer)
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+                raise InvalidRequest("prompt_token_ids", f"every id must be an integer in [0, {vocab})")
+        elif isinstance(request.prompt, str):
+            ids = self.tokenizer(request.prompt, add_special_tokens=True)["input_ids"]
+            if not ids and self.tokenizer.bos_token_id is not None:
+                ids = [self.tokenizer.bos_token_id]
+        else:
+            raise InvalidRequest("prompt", "give a prompt string or prompt_token_ids")
+        if not ids:
+            raise InvalidRequest("prompt", "must not be empty")
+        if len(ids) > self.max_input_length:
+            raise InvalidRequest("prompt", f"{len(ids)} tokens exceeds max_input_length {self.max_input_length}")
+        sched = Request(request.id, len(ids), params.max_new_tokens, arrival_s=now)
+        self.batcher.check(sched)
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        return Sequence(
+            request,
+            sched,
+            ids,
+            len(ids),
+            IncrementalDetokenizer(self.tokenizer),
+            StopMatcher(params.stop),
+            gen,
+            now,
+        )
+
+    def _drain(self) -> None:
+        with self._cv:
+            items = list(self._inbox)
+            self._inbox.clear()
+            cancels = list(self._cancels)
+            self._cancels.clear()
+        for item in items:
+            if isinstance(item, FinishEvent):
+                self._emit(item)
+                continue
+            try:
+                self.batcher.submit(item.sched)
+            except RequestRejected as e:
+                self._emit(self._error_event(item.id, str(e), item.prompt_len, item.submitted_s))
+                continue
+            self.seqs[item.id] = item
+        for rid in cancels:
+            seq = self.seqs.get(rid)
+            if seq is not None:
+                self._finish(seq, "cancelled")
+
+    def _accept(self, seq: Sequence, token: int, delta: str | None, now: float) -> None:
+        """Record a sampled token; `delta` is its new text, None for an EOS that ends the request."""
+        seq.token_ids.append(token)
+        req = seq.sched
+        if req.generated == 1:
+            seq.first_token_s = now
+        reason: FinishReason | None = None
+        if delta is None:
+            reason, piece = "eos", ""
+        else:
+            piece, stopped = seq.stopper.feed(delta)
+            if stopped:
+                reason = "stop"
+            elif req.generated >= req.max_new_tokens:
+                reason = "length"
+        if reason in ("eos", "length"):
+            tail, stopped = seq.stopper.feed(seq.detok.flush())
+            piece += tail
+            if stopped:
+                reason = "stop"
+            else:
+                piece += seq.stopper.flush()
+        seq.text += piece
+        self._emit(TokenEvent(seq.id, req.generated - 1, token, piece))
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        rid = seq.id
+        if rid in self.batcher.running:
+            if reason in ("eos", "stop", "length"):
+                self.batcher.finish(rid)
+            else:
+                self.batcher.cancel(rid)
+        else:
+            self.batcher.cancel(rid)
+        self.cache.release(seq.block_table)
+        del self.seqs[rid]
+        self.counters["finished"] += 1
+        now = time.monotonic()
+        out = seq.output_ids
+        self._emit(
+            FinishEvent(
+                rid,
+                reason,
+                seq.text,
+                tuple(out),
+                seq.prompt_len,
+                len(out),
+                queue_s=(seq.admitted_s or now) - seq.submitted_s,
+                ttft_s=(seq.first_token_s - seq.submitted_s) if seq.first_token_s else 0.0,
+                total_s=now - seq.submitted_s,
+                error=error,
+            )
+        )
+
+    def _error_event(self, rid: str, message: str, prompt_tokens: int, since: float) -> FinishEvent:
+        return FinishEvent(rid, "error", "", (), prompt_tokens, 0, 0.0, 0.0, time.monotonic() - since, message)
+
+    def _emit(self, event: Event) -> None:
+        if self.sink is not None:
+            try:
+                self.sink(event)
+            except Exception:
+                log.exception("event sink failed for %s", event.request_id)
+        if isinstance(event, FinishEvent):
+            with self._cv:
+                handle = self._handles.pop(event.request_id, None)
+        else:
+            handle = self._handles.get(event.request_id)
+        if handle is not None:
+            handle._put(event)
+
+    def _count(self, prefill: int, decode: int, forward_s: float, step_s: float) -> None:
+        c = self.counters
+        c["steps"] += 1
+        c["prefill_tokens"] += prefill
+        c["decode_tokens"] += decode
+        c["forward_s"] += forward_s
+        c["step_s"] += step_s
+        r = self._rate
+        r["prefill"] += prefill
+        r["decode"] += decode
+        now = time.monotonic()
+        if now - r["t"] >= 1.0:  # rates over the last second or so
+            span = now - r["t"]
+            r["prefill_tok_s"], r["decode_tok_s"] = r["prefill"] / span, r["decode"] / span
+            r["t"], r["prefill"], r["decode"] = now, 0, 0
+
+    def _check_invariants(self) -> None:
+        held = sum(len(s.block_table) for s in self.seqs.values())
+        assert held == self.cache.used_blocks, f"blocks held {held} != used {self.cache.used_blocks}"
+        assert self.batcher.batch_weight() <= self.batcher.budget, "batch weight over budget"
+        for seq in self.seqs.values():
+            r = seq.sched
+            assert len(seq.block_table) * self.cache.block_size >= r.prefilled, f"{seq.id}: KV beyond its blocks"
+            assert len(seq.token_ids) == r.context_len, f"{seq.id}: tokens out of step with the batcher"

@@ -1,0 +1,170 @@
+"""The model runner: turns one step's work into one packed forward pass and returns logits.
+
+Every running sequence contributes its tokens for this step (a prompt chunk, or its last token)
+to a single [1, T] row with per-token position ids; the step metadata tells attention where each
+token's K/V lives. Logits are computed only for the rows of sequences that emit a token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .attention import DecodeGroup, PrefillChunk, StepMeta
+from .kv_cache import KVCache
+
+
+class HasTokens(Protocol):
+    token_ids: list[int]
+    block_table: list[int]
+
+
+@dataclass(slots=True)
+class Work:
+    """Feed tokens [start, start + n) of `seq` this step; `emits` when the last one yields logits."""
+
+    seq: HasTokens
+    start: int
+    n: int
+    emits: bool
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, cache: KVCache, backend: str, device: torch.device) -> None:
+        self.model = model
+        self.cache = cache
+        self.backend = backend
+        self.device = device
+        self.model_s = 0.0  # time inside the model's forward (the rest of a step is overhead)
+        self._ar = torch.arange(4096)
+
+    def _arange(self, n: int) -> torch.Tensor:
+        if n > len(self._ar):
+            self._ar = torch.arange(max(n, 2 * len(self._ar)))
+        return self._ar[:n]
+
+    def build(
+        self, prefill: list[Work], decode: list[Work]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepMeta]:
+        """Packed input ids, position ids, rows to keep, and the step metadata (prefill first)."""
+        bs = self.cache.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slot_parts: list[torch.Tensor] = []
+        keep: list[int] = []
+        chunks: list[PrefillChunk] = []
+        for w in prefill:
+            q_start = len(ids)
+            ids.extend(w.seq.token_ids[w.start : w.start + w.n])
+            p = torch.arange(w.start, w.start + w.n)
+            pos.extend(range(w.start, w.start + w.n))
+            k_len = w.start + w.n
+            bt = torch.tensor(w.seq.block_table[: -(-k_len // bs)], dtype=torch.long)
+            slot_parts.append(bt[p // bs] * bs + p % bs)
+            if w.start == 0:
+                chunks.append(PrefillChunk(q_start, w.n, k_len, None, None))
+            else:
+                mask = self._arange(k_len)[None, :] <= p[:, None]
+                chunks.append(PrefillChunk(q_start, w.n, k_len, bt.to(self.device), mask.to(self.device)))
+            if w.emits:
+                keep.append(len(ids) - 1)
+        groups: list[DecodeGroup] = []
+        if decode:
+            first = len(ids)
+            dec_slots: list[int] = []
+            lens: list[int] = []
+            for w in decode:
+                p = w.start
+                bt = w.seq.block_table
+                ids.append(w.seq.token_ids[p])
+                pos.append(p)
+                dec_slots.append(bt[p // bs] * bs + p % bs)
+                lens.append(p + 1)
+            if self.backend != "flash":
+                for rows in _split_by_length(lens, bs):
+                    groups.append(self._decode_group(decode, rows, lens, first))
+            slot_parts.append(torch.tensor(dec_slots, dtype=torch.long))
+            keep.extend(range(first, first + len(decode)))
+        slots = torch.cat(slot_parts).to(self.device)
+        meta = StepMeta(self.cache, slots, len(ids), groups, chunks)
+        if self.backend == "flash":
+            self._add_varlen(meta, prefill, decode)
+        ids_t = torch.tensor(ids, device=self.device).unsqueeze(0)
+        pos_t = torch.tensor(pos, device=self.device).unsqueeze(0)
+        keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
+        return ids_t, pos_t, keep_t, meta
+
+    def _decode_group(self, decode: list[Work], rows: list[int], lens: list[int], first: int) -> DecodeGroup:
+        """One batched attention call: the rows' blocks padded to the longest, masked past each length."""
+        bs = self.cache.block_size
+        row_lens = [lens[i] for i in rows]
+        nb = -(-max(row_lens) // bs)
+        flat: list[int] = []
+        for i in rows:
+            t = decode[i].seq.block_table
+            flat.extend(t[:nb] if len(t) >= nb else t + [0] * (nb - len(t)))
+        span = nb * bs
+        mask = None
+        if any(n != span for n in row_lens):
+            lens_t = torch.tensor(row_lens)
+            mask = (self._arange(span)[None, :] < lens_t[:, None]).view(len(rows), 1, 1, span).to(self.device)
+        q_idx = torch.tensor([first + i for i in rows], device=self.device)
+        return DecodeGroup(q_idx, torch.tensor(flat, device=self.device), nb, mask)
+
+    def _add_varlen(self, meta: StepMeta, prefill: list[Work], decode: list[Work]) -> None:
+        bs = self.cache.block_size
+        works = prefill + decode
+        q_lens = [w.n for w in works]
+        k_lens = [w.start + w.n for w in works]
+        nb = max(-(-k // bs) for k in k_lens)
+        table = [w.seq.block_table[:nb] + [0] * (nb - min(nb, len(w.seq.block_table))) for w in works]
+        cu_q, cu_k = [0], [0]
+        for q, k in zip(q_lens, k_lens, strict=True):
+            cu_q.append(cu_q[-1] + q)
+            cu_k.append(cu_k[-1] + k)
+        meta.cu_q = torch.tensor(cu_q, dtype=torch.int32, device=self.device)
+        meta.cu_k = torch.tensor(cu_k, dtype=torch.int32, device=self.device)
+        meta.max_q, meta.max_k = max(q_lens), max(k_lens)
+        meta.block_table = torch.tensor(table, dtype=torch.int32, device=self.device)
+
+    @torch.inference_mode()
+    def forward(self, prefill: list[Work], decode: list[Work]) -> torch.Tensor:
+        """Logits [rows, vocab] in float32 for the emitting works: prefill ones first, then decodes."""
+        ids, pos, keep, meta = self.build(prefill, decode)
+        t0 = time.perf_counter()
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep, weightq_meta=meta)
+        logits = out.logits[0].float()
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
+        self.model_s += time.perf_counter() - t0
+        return logits
+
+
+def _split_by_length(lens: list[int], block: int, max_groups: int = 4) -> list[list[int]]:
+    """Group decode rows by length so that padding each row to its group's longest wastes little.
+
+    Rows are sorted by length; the costliest group is split at its best point while that saves at
+    least a fifth of its padded work (and it has rows to spare), up to `max_groups` attention calls.
+    """
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    blocks = [-(-lens[i] // block) for i in order]
+    groups = [(0, len(order))]  # half-open ranges into `order`
+    while len(groups) < max_groups:
+        best = None
+        for g, (lo, hi) in enumerate(groups):
+            if hi - lo < 8:
+                continue
+            whole = (hi - lo) * blocks[hi - 1]
+            for k in range(lo + 1, hi):
+                saving = whole - ((k - lo) * blocks[k - 1] + (hi - k) * blocks[hi - 1])
+                if saving >= 0.2 * whole and (best is None or saving > best[0]):
+                    best = (saving, g, k)
+        if best is None:
+            break
+        _, g, k = best
+        lo, hi = groups[g]
+        groups[g : g + 1] = [(lo, k), (k, hi)]
+    return [order[lo:hi] for lo, hi in groups]

@@ -1,0 +1,41 @@
+"""The engine's state for one request: its tokens, blocks, sampling and text so far."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from batcher import Request
+
+from .detokenizer import IncrementalDetokenizer, StopMatcher
+from .params import FinishReason, GenerationRequest, SamplingParams
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request: GenerationRequest
+    sched: Request  # the batcher's view: lengths and progress
+    token_ids: list[int]  # prompt + generated
+    prompt_len: int
+    detok: IncrementalDetokenizer
+    stopper: StopMatcher
+    generator: torch.Generator | None
+    submitted_s: float
+    block_table: list[int] = field(default_factory=list)
+    text: str = ""
+    admitted_s: float = 0.0
+    first_token_s: float = 0.0
+    finish_reason: FinishReason | None = None
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]

@@ -1,0 +1,69 @@
+"""The `weightq` command line."""
+
+import json
+
+import pytest
+
+from app.cli import main
+from batcher.sim import POLICIES
+
+
+def test_sim_json_has_every_policy_and_metric(capsys):
+    assert main(["sim", "--json", "--requests", "60", "--budget", "8192"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["trace"]["requests"] == 60 and doc["trace"]["budget"] == 8192
+    assert set(doc["policies"]) == set(POLICIES)
+    for name, m in doc["policies"].items():
+        for key in (
+            "output_tokens_per_s",
+            "requests_per_s",
+            "ttft_p50_s",
+            "ttft_p99_s",
+            "tpot_p50_s",
+            "tpot_p99_s",
+            "peak_weight",
+            "budget",
+            "overflow_steps",
+            "preempted_tokens",
+            "generated_tokens",
+        ):
+            assert key in m, (name, key)
+        assert m["peak_weight"] <= 8192 or name == "optimistic"
+        if name != "optimistic":
+            assert m["overflow_steps"] == 0
+        assert m["generated_tokens"] == doc["policies"]["static"]["generated_tokens"]
+
+
+def test_sim_reads_a_jsonl_trace(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"input_len": 10, "output_len": 5}\n\n{"input_len": 20, "output_len": 30, '
+        '"max_new_tokens": 40, "arrival_s": 0.5}\n'
+    )
+    assert main(["sim", "--json", "--trace", str(trace), "--policies", "weighted,tgi"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["trace"]["requests"] == 2 and set(doc["policies"]) == {"weighted", "tgi"}
+    assert doc["policies"]["weighted"]["generated_tokens"] == 35
+
+
+def test_sim_errors_name_the_problem(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input_len": "x"}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
+        main(["sim", "--trace", str(bad)])
+    with pytest.raises(SystemExit, match="unknown policy nope"):
+        main(["sim", "--policies", "nope"])
+    with pytest.raises(SystemExit, match="below the weight of one max-length request"):
+        main(["sim", "--budget", "100"])
+
+
+def test_sim_table(capsys):
+    assert main(["sim", "--requests", "30", "--rate", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "weighted" in out and "out tok/s" in out
+
+
+def test_generate_streams_text(capsys):
+    assert main(["generate", "Hello", "--max-new-tokens", "5", "--device", "cpu", "--max-batch-weight", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert ">>> Hello" in out and ("[length: 5 tokens" in out or "[eos" in out)

@@ -1,0 +1,80 @@
+"""CUDA-only checks: the SDPA backend on a GPU, and the flash-attn paged backend.
+
+Skipped on machines without CUDA (this project's CI has none); they run where a GPU is present.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig
+from engine.flash import available as flash_available
+from tests.test_engine import mixed_requests
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none on this machine")
+flash = pytest.mark.skipif(not flash_available(), reason="needs CUDA and the flash-attn package (weightq[cuda])")
+BF16_TIE = 5e-2  # bf16 logits are noisy: a divergence below this top1-top2 gap is a tie
+
+
+def _compare(engine: Engine, reference, reqs, tie: float) -> None:
+    results = engine.generate(reqs)
+    for req, res in zip(reqs, results, strict=True):
+        ids = torch.tensor([req.prompt_token_ids], device=reference.device)
+        with torch.no_grad():
+            want = reference.generate(ids, max_new_tokens=req.params.max_new_tokens, do_sample=False)[0, ids.shape[1] :]
+        want = want.tolist()
+        got = list(res.token_ids)
+        if got == want:
+            continue
+        k = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+        with torch.no_grad():
+            logits = reference(torch.tensor([req.prompt_token_ids + want[:k]], device=reference.device)).logits[0, -1]
+        top = logits.float().topk(2).values
+        assert float(top[0] - top[1]) < tie, f"{req.id}: diverged at {k} with margin {float(top[0] - top[1]):.3g}"
+
+
+@cuda
+def test_sdpa_backend_on_cuda_matches_generate(tiny_path):
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_path, attn_implementation="sdpa").cuda().eval()
+    engine = Engine(
+        EngineConfig(
+            device="cuda",
+            dtype="float32",
+            attention="sdpa",
+            max_batch_weight=2048,
+            max_total_tokens=672,
+            max_prefill_weight=128,
+            check_invariants=True,
+        )
+    )
+    _compare(engine, reference, mixed_requests(24, seed=5), 1e-3)
+
+
+@flash
+def test_flash_backend_matches_generate_in_bf16(tiny_path):
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.bfloat16, attn_implementation="sdpa")
+    reference = reference.cuda().eval()
+    engine = Engine(
+        EngineConfig(
+            device="cuda",
+            dtype="bfloat16",
+            attention="flash",
+            max_batch_weight=4096,
+            max_total_tokens=672,
+            max_prefill_weight=256,
+            check_invariants=True,
+        )
+    )
+    assert engine.backend == "flash" and engine.cache.block_size == 256
+    _compare(engine, reference, mixed_requests(24, seed=6), BF16_TIE)
+
+
+@flash
+def test_flash_is_chosen_automatically_on_cuda():
+    engine = Engine(EngineConfig(max_batch_weight=4096))
+    assert engine.backend == "flash"
