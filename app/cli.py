@@ -157,11 +157,76 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _worker_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "worker",
+        help="start a Celery worker hosting the engine (threads pool, embedded Redis if REDIS_URL is unset)",
+        description="Start a correctly configured Celery worker: threads pool, one engine per process. "
+        "Settings come from the environment (REDIS_URL, MODEL, MAX_BATCH_WEIGHT, ...; see README).",
+    )
+    p.add_argument("--concurrency", "-c", type=int, default=None, help="task threads (default CONCURRENCY=128)")
+    p.add_argument("--hostname", "-n", default=None, help="worker name, e.g. gpu1@%%h")
+    p.add_argument("--loglevel", "-l", default="INFO")
+    p.add_argument("--pool", "-P", default="threads", help="must be threads; others are refused")
+    p.set_defaults(func=cmd_worker)
+
+
+def ensure_redis(settings) -> str:
+    """REDIS_URL if set; else the embedded Redis (started now unless one already answers)."""
+    import redis
+
+    from .redis_server import EmbeddedRedis
+
+    if settings.redis_url:
+        return settings.redis_url
+    url_file = settings.home / "redis" / "url"
+    if url_file.exists():
+        url = url_file.read_text().strip()
+        try:
+            redis.Redis.from_url(url, socket_timeout=1).ping()
+            return url
+        except redis.RedisError:
+            pass
+    server = EmbeddedRedis(settings.home / "redis")
+    url = server.start()
+    url_file.write_text(url)
+    print(f"weightq: started the embedded Redis at {url} (data in {server.data_dir}); set REDIS_URL to use another")
+    return url
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import os
+
+    from .settings import Settings
+
+    settings = Settings.from_env()
+    os.environ["REDIS_URL"] = ensure_redis(settings)
+    from .celery import app
+
+    argv = [
+        "worker",
+        "-P",
+        args.pool,
+        "-c",
+        str(args.concurrency or settings.concurrency),
+        "-Q",
+        settings.queue,
+        "-l",
+        args.loglevel,
+        "-E",
+    ]
+    if args.hostname:
+        argv += ["-n", args.hostname]
+    app.worker_main(argv)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="weightq", description="Celery-native LLM generation, batched by weight.")
     sub = parser.add_subparsers(dest="command", required=True)
     _sim_parser(sub)
     _generate_parser(sub)
+    _worker_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

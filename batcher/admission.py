@@ -77,6 +77,7 @@ class Batcher:
         self._order: dict[str, tuple[float, int]] = {}  # arrival sort key of every known request
         self._seq = 0
         self._committed = 0  # sum of reserved final weights (token model)
+        self._typical = 0  # moving average of admitted requests' reserved weight
         self._profile: TokenProfile | PaddedProfile | None = None
         self._idle = False  # the last pass admitted nothing and nothing has changed since
 
@@ -138,6 +139,14 @@ class Batcher:
     def batch_weight(self) -> int:
         """The weight the running requests hold now (their tokens so far, whole prompts included)."""
         return self.weight.batch([r.context_len for r in self.running.values()])
+
+    def room_for(self) -> int:
+        """How many more requests of the typical size (recent admissions' reserved weight) would fit
+        now by the naive sum: what a worker may take from a shared queue without hoarding."""
+        if self.waiting:
+            return 0
+        typical = self._typical or self.weight.seq(self.config.max_total_tokens)
+        return max(0, (self.budget - self._committed) // typical)
 
     def projected_peak(self) -> int:
         return self._get_profile().peak() if self.running else 0
@@ -340,7 +349,9 @@ class Batcher:
         req.prefilled = 0
         req.decoding = False
         self.running[req.id] = req
-        self._committed += self.weight.seq(req.reserved_total)
+        w = self.weight.seq(req.reserved_total)
+        self._committed += w
+        self._typical = w if not self._typical else (7 * self._typical + w) // 8
         self._invalidate()
         self.stats.admitted += 1
 

@@ -190,6 +190,9 @@ class Engine:
         self._drain()
         for seq in list(self.seqs.values()):
             self._finish(seq, reason, message)
+        flush = getattr(self.sink, "flush", None)
+        if flush is not None:
+            flush()
 
     def generate(self, requests: list[GenerationRequest]) -> list[FinishEvent]:
         """Run requests to completion on the calling thread (offline use; the loop must not run)."""
@@ -236,7 +239,16 @@ class Engine:
                         self._cv.wait(0.05)
 
     def step(self) -> bool:
-        """One scheduling decision and one forward pass; False when there was nothing to run."""
+        """One scheduling decision and one forward pass; False when there was nothing to run.
+        A sink with a `flush()` method is flushed after every step (one write batch per step)."""
+        try:
+            return self._step()
+        finally:
+            flush = getattr(self.sink, "flush", None)
+            if flush is not None:
+                flush()
+
+    def _step(self) -> bool:
         t_start = time.perf_counter()
         self._drain()
         now = time.monotonic()

@@ -95,3 +95,52 @@ def reference_model(tiny_path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_path, attn_implementation="sdpa").eval()
+
+
+# ----- service fixtures: a real Redis per test module ------------------------------------------------
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    from app.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"))
+    url = server.start()
+    yield url
+    server.stop()
+
+
+@pytest.fixture
+def service(redis_url, tmp_path, monkeypatch):
+    """A clean Redis, a Client for it, and a factory of worker processes (stopped at teardown)."""
+    import redis
+
+    from app.client import Client
+    from app.settings import Settings
+    from tests.service import WorkerProcess
+
+    redis.Redis.from_url(redis_url).flushall()
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    workers: list[WorkerProcess] = []
+
+    class Service:
+        url = redis_url
+        client = Client(redis_url, settings=Settings(redis_url=redis_url))
+
+        @staticmethod
+        def worker(name: str = "w1@test", **settings) -> WorkerProcess:
+            settings.setdefault("max_batch_weight", 8192)
+            settings.setdefault("concurrency", 64)
+            w = WorkerProcess(redis_url, name, tmp_path, **settings)
+            workers.append(w)
+            return w
+
+    yield Service
+    hung = []
+    for w in workers:
+        try:
+            w.stop()
+        except AssertionError as e:
+            hung.append(e)
+        finally:
+            w.kill()
+    if hung:
+        raise hung[0]

@@ -1,0 +1,205 @@
+"""The client API: enqueue a generation, read its tokens as they come, get the result, cancel it.
+
+    from app.client import Client
+    job = Client().submit("Once upon a time", max_new_tokens=64)
+    for text in job.stream():
+        print(text, end="")
+    print(job.result(timeout=60)["usage"])
+
+Any process that can reach the Redis URL can do this; the worker may be on another machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import redis
+
+from tasks.schema import parse_request
+
+from .settings import Settings
+from .streams import CANCEL, CANCEL_CHANNEL, job_key, stream_key
+
+TASK_NAME = "weightq.generate"
+END_TYPES = ("end", "error")
+
+
+class JobFailed(RuntimeError):
+    """The job ended with an error (the message names the field when the request was bad)."""
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(slots=True)
+class StreamEvent:
+    """One stream entry: type is "attempt", "token", "end" or "error"."""
+
+    type: str
+    entry_id: str
+    data: dict = field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        return self.data.get("text", "")
+
+
+def _decode(entry_id, raw: dict) -> StreamEvent:
+    data = {
+        k.decode() if isinstance(k, bytes) else k: v.decode() if isinstance(v, bytes) else v for k, v in raw.items()
+    }
+    eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return StreamEvent(data.get("type", ""), eid, data)
+
+
+class Job:
+    def __init__(self, client: Client, job_id: str) -> None:
+        self.client = client
+        self.id = job_id
+
+    def events(self, timeout: float | None = None, last_id: str = "0-0") -> Iterator[StreamEvent]:
+        """Every stream entry from `last_id` on, until the end (or error) entry."""
+        r = self.client.reader
+        key = stream_key(self.id)
+        waited = 0.0
+        while True:
+            block_ms = 1000
+            resp = r.xread({key: last_id}, count=512, block=block_ms)
+            if not resp:
+                waited += block_ms / 1000
+                if timeout is not None and waited >= timeout:
+                    raise TimeoutError(f"job {self.id}: no stream entry for {timeout} s")
+                continue
+            waited = 0.0
+            for entry_id, raw in resp[0][1]:
+                ev = _decode(entry_id, raw)
+                last_id = ev.entry_id
+                yield ev
+                if ev.type in END_TYPES:
+                    return
+
+    def stream(self, timeout: float | None = None) -> Iterator[str]:
+        """Text deltas of the job. If a worker died and the job restarted, tokens already delivered
+        are not repeated (greedy and seeded runs regenerate the same tokens)."""
+        delivered = 0
+        for ev in self.events(timeout):
+            if ev.type == "token":
+                i = int(ev.data["i"])
+                if i >= delivered:
+                    delivered = i + 1
+                    if ev.text:
+                        yield ev.text
+            elif ev.type == "error":
+                raise JobFailed(ev.data.get("message", "error"), ev.data.get("field", ""))
+
+    def result(self, timeout: float | None = None) -> dict:
+        """The final JSON result (from the stream's end entry, so it needs no result backend)."""
+        for ev in self.events(timeout):
+            if ev.type == "end":
+                return json.loads(ev.data["result"])
+            if ev.type == "error":
+                raise JobFailed(ev.data.get("message", "error"), ev.data.get("field", ""))
+        raise RuntimeError("unreachable")
+
+    def cancel(self) -> str:
+        """Cancel: a queued job ends at once; a running one is stopped by its worker within a step.
+        Returns the state the job was in ("queued", "running", "done" or "cancelled")."""
+        s = self.client.settings
+        end = json.dumps(
+            {
+                "id": self.id,
+                "text": "",
+                "finish_reason": "cancelled",
+                "token_ids": [],
+                "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+            }
+        )
+        state = self.client.redis.eval(
+            CANCEL,
+            2,
+            job_key(self.id),
+            stream_key(self.id),
+            s.stream_maxlen,
+            s.stream_ttl_s,
+            end,
+            CANCEL_CHANNEL,
+            self.id,
+        )
+        state = state.decode() if isinstance(state, bytes) else state
+        if state in ("queued", "running"):
+            self.client.app.control.revoke(self.id)
+        return state
+
+    async def astream(self, timeout: float | None = None) -> AsyncIterator[str]:
+        """The asyncio variant of stream() (runs the blocking reads in a thread)."""
+        it = self.stream(timeout)
+        loop = asyncio.get_running_loop()
+        sentinel = object()
+        while True:
+            item = await loop.run_in_executor(None, next, it, sentinel)
+            if item is sentinel:
+                return
+            yield item
+
+    async def aresult(self, timeout: float | None = None) -> dict:
+        return await asyncio.get_running_loop().run_in_executor(None, self.result, timeout)
+
+
+class Client:
+    def __init__(self, redis_url: str | None = None, *, settings: Settings | None = None) -> None:
+        self.settings = settings or Settings.from_env()
+        url = redis_url or self.settings.resolved_redis_url()
+        self.url = url
+        self.redis = redis.Redis.from_url(url, socket_timeout=30)
+        # XREAD blocks up to 1 s: keep the socket timeout well above it (see FACTS: redis-py 8).
+        self.reader = redis.Redis.from_url(url, socket_timeout=30)
+        self._app = None
+
+    @property
+    def app(self):
+        if self._app is None:
+            from celery import Celery
+
+            from .celery import celery_config
+
+            self._app = Celery("weightq-client")
+            self._app.config_from_object(
+                celery_config(self.settings) | {"broker_url": self.url, "result_backend": self.url}
+            )
+        return self._app
+
+    def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        **params,
+    ) -> Job:
+        """Validate and enqueue; raises tasks.schema.RequestError (naming the field) for a bad request."""
+        request = {
+            k: v for k, v in {"prompt": prompt, "prompt_token_ids": prompt_token_ids, **params}.items() if v is not None
+        }
+        if request_id is not None:
+            request["request_id"] = request_id
+        parse_request(request)
+        job_id = request_id or uuid.uuid4().hex
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hsetnx(job_key(job_id), "state", "queued")
+        pipe.expire(job_key(job_id), self.settings.result_ttl_s)
+        pipe.execute()
+        self.app.send_task(TASK_NAME, args=[request], task_id=job_id, queue=self.settings.queue)
+        return Job(self, job_id)
+
+    def job(self, job_id: str) -> Job:
+        return Job(self, job_id)
+
+
+def submit(prompt: str | None = None, **params) -> Job:
+    """Enqueue with settings from the environment (REDIS_URL, or the embedded Redis)."""
+    return Client().submit(prompt, **params)

@@ -1,0 +1,85 @@
+"""The one settings object: every knob from environment variables, with documented defaults."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from engine import EngineConfig
+
+
+def _env_name(field_name: str) -> str:
+    return "REDIS_URL" if field_name == "redis_url" else "MODEL" if field_name == "model" else field_name.upper()
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Read with `Settings.from_env()`; each field's environment variable is its name upper-cased
+    (REDIS_URL, MODEL, MAX_BATCH_WEIGHT, ...). Unset REDIS_URL means the embedded Redis."""
+
+    redis_url: str = ""  # empty: the embedded Redis (its URL is recorded under WEIGHTQ_HOME)
+    model: str = "builtin:tiny"
+    device: str = "auto"
+    dtype: str = "auto"
+    max_batch_weight: int = 0  # KV tokens; 0 derives it (MAX_BATCH_SIZE x MAX_TOTAL_TOKENS, or memory)
+    max_batch_size: int = 0
+    max_prefill_weight: int = 2048
+    max_input_length: int = 0  # 0: the model's context limit - 1
+    max_total_tokens: int = 0  # 0: the model's context limit
+    kv_cache_mb: int = 512  # CPU KV budget when max_batch_weight is derived from memory
+    gpu_memory_fraction: float = 0.85
+    batcher_mode: str = "worst_case"  # or "predictive"
+    concurrency: int = 128  # task threads per worker: the most requests one worker holds at once
+    queue: str = "weightq"
+    visibility_timeout_s: int = 30  # a dead worker's jobs return to the queue after this
+    lease_renew_s: float = 5.0  # a live worker renews its in-flight jobs this often
+    restore_interval_s: int = 5  # how often every worker sweeps for expired leases
+    stream_maxlen: int = 100_000  # entries kept per token stream
+    stream_ttl_s: int = 3600  # a stream expires this long after its end (or 1 day after its start)
+    result_ttl_s: int = 86_400
+    shutdown_grace_s: float = 30.0  # warm shutdown: finish running generations this long, then requeue
+    weightq_home: str = str(Path.home() / ".cache" / "weightq")
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+        values = {}
+        for f in fields(cls):
+            raw = env.get(_env_name(f.name))
+            if raw is None or raw == "":
+                continue
+            kind = type(f.default)
+            try:
+                values[f.name] = kind(raw)
+            except ValueError as e:
+                raise ValueError(f"{_env_name(f.name)}={raw!r}: expected {kind.__name__}") from e
+        return cls(**values)
+
+    @property
+    def home(self) -> Path:
+        return Path(self.weightq_home)
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model,
+            device=self.device,
+            dtype=self.dtype,
+            max_batch_weight=self.max_batch_weight or None,
+            max_batch_size=self.max_batch_size,
+            max_prefill_weight=self.max_prefill_weight,
+            max_input_length=self.max_input_length,
+            max_total_tokens=self.max_total_tokens,
+            cpu_kv_bytes=self.kv_cache_mb * 2**20,
+            gpu_memory_fraction=self.gpu_memory_fraction,
+            mode=self.batcher_mode,  # type: ignore[arg-type]
+        )
+
+    def resolved_redis_url(self) -> str:
+        """REDIS_URL, else the URL of the embedded Redis that `weightq` started, else localhost."""
+        if self.redis_url:
+            return self.redis_url
+        recorded = self.home / "redis" / "url"
+        if recorded.exists():
+            return recorded.read_text().strip()
+        return "redis://127.0.0.1:6379/0"

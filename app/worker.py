@@ -1,0 +1,74 @@
+"""The worker bootstep that hosts the engine inside a Celery worker process.
+
+The engine owns the accelerator, so it lives once per process: only the threads pool can host it
+(prefork children cannot re-initialise CUDA; solo runs one task at a time). Task threads block on
+the engine while it batches them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+from celery import bootsteps
+from celery.exceptions import ImproperlyConfigured
+
+from engine import Engine
+
+from .host import WorkerHost
+from .settings import Settings
+from .streams import StreamPublisher
+
+log = logging.getLogger(__name__)
+
+POOL_ADVICE = (
+    "weightq hosts one engine per worker process and needs the threads pool: run "
+    "`weightq worker` or `celery -A app worker -P threads -c 128`"
+)
+
+
+def _pool_name(pool) -> str:
+    if isinstance(pool, str):
+        return pool
+    return f"{getattr(pool, '__module__', '')}.{getattr(pool, '__name__', '')}"
+
+
+class EngineStep(bootsteps.StartStopStep):
+    requires = ("celery.worker.components:Pool",)
+
+    def __init__(self, worker, **kwargs) -> None:
+        super().__init__(worker, **kwargs)
+        name = _pool_name(getattr(worker, "pool_cls", ""))
+        if "thread" not in name.lower():
+            raise ImproperlyConfigured(f"pool {name!r} cannot host the engine. {POOL_ADVICE}")
+        self.host: WorkerHost | None = None
+
+    def start(self, worker) -> None:
+        settings = Settings.from_env()
+        client = redis.Redis.from_url(settings.resolved_redis_url(), socket_timeout=30, health_check_interval=10)
+        publisher = StreamPublisher(client, maxlen=settings.stream_maxlen, ttl_s=settings.stream_ttl_s)
+        engine = Engine(settings.engine_config(), sink=publisher)
+        self.host = host = WorkerHost(settings, engine, client, worker.hostname)
+        worker.app.weightq_host = host
+        engine.start()
+        host.start()
+        log.info("weightq engine ready on %s: %s", worker.hostname, engine.kv_derivation)
+
+    def stop(self, worker) -> None:
+        if self.host is not None:
+            self.host.shutdown()
+            self.host.engine.sink.close()
+
+    def info(self, worker) -> dict:
+        return {"weightq": self.host.stats()} if self.host is not None else {}
+
+
+class ConsumerLink(bootsteps.StartStopStep):
+    """Hands the consumer (prefetch control, delivered messages) to the host once it exists."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def start(self, consumer) -> None:
+        host = getattr(consumer.app, "weightq_host", None)
+        if host is not None:
+            host.consumer = consumer

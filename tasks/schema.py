@@ -1,0 +1,120 @@
+"""The JSON contract of a generation job: what `weightq.generate` accepts, checked field by field.
+
+Every refusal names the field and the limit. Token-level limits (prompt length in tokens, the
+KV budget) are checked by the worker's engine, which knows the model.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from engine import SamplingParams
+
+MAX_PROMPT_CHARS = 1_000_000
+MAX_STOP = 32
+MAX_STOP_CHARS = 256
+MAX_NEW_TOKENS = 1_000_000
+ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+FIELDS = {
+    "prompt",
+    "prompt_token_ids",
+    "request_id",
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "ignore_eos",
+}
+
+
+class RequestError(ValueError):
+    """A job request that breaks the contract; `field` names what is wrong."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+    def __reduce__(self):  # survives pickling and Celery's exception round trip
+        return (RequestError, (self.field, str(self).split(": ", 1)[-1]))
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    request_id: str | None
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    params: SamplingParams
+
+
+def _int(d: dict, name: str, default: int, lo: int, hi: int) -> int:
+    v = d.get(name, default)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise RequestError(name, f"must be an integer (got {type(v).__name__})")
+    if not lo <= v <= hi:
+        raise RequestError(name, f"must be between {lo} and {hi} (got {v})")
+    return v
+
+
+def _float(d: dict, name: str, default: float, lo: float, hi: float, *, open_lo: bool = False) -> float:
+    v = d.get(name, default)
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        raise RequestError(name, f"must be a number (got {type(v).__name__})")
+    v = float(v)
+    if not math.isfinite(v) or v > hi or v < lo or (open_lo and v == lo):
+        bound = f"({lo}, {hi}]" if open_lo else f"[{lo}, {hi}]"
+        raise RequestError(name, f"must be a finite number in {bound} (got {v})")
+    return v
+
+
+def parse_request(data: object) -> JobSpec:
+    """Validate a request dict; raises RequestError naming the first bad field."""
+    if not isinstance(data, dict):
+        raise RequestError("request", f"must be a JSON object (got {type(data).__name__})")
+    unknown = sorted(set(data) - FIELDS)
+    if unknown:
+        raise RequestError(unknown[0], f"unknown field; accepted: {', '.join(sorted(FIELDS))}")
+    prompt, ids = data.get("prompt"), data.get("prompt_token_ids")
+    if (prompt is None) == (ids is None):
+        raise RequestError("prompt", "give exactly one of prompt or prompt_token_ids")
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise RequestError("prompt", f"must be a string (got {type(prompt).__name__})")
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise RequestError("prompt", f"{len(prompt)} characters exceeds {MAX_PROMPT_CHARS}")
+    if ids is not None:
+        if not isinstance(ids, list) or not ids:
+            raise RequestError("prompt_token_ids", "must be a non-empty list of integers")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
+            raise RequestError("prompt_token_ids", "every entry must be a non-negative integer")
+    rid = data.get("request_id")
+    if rid is not None and (not isinstance(rid, str) or not ID_PATTERN.match(rid)):
+        raise RequestError("request_id", "must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")
+    stop = data.get("stop", [])
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or len(stop) > MAX_STOP:
+        raise RequestError("stop", f"must be a string or a list of at most {MAX_STOP} strings")
+    if any(not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS for s in stop):
+        raise RequestError("stop", f"every stop sequence must be a string of 1 to {MAX_STOP_CHARS} characters")
+    seed = data.get("seed")
+    if seed is not None:
+        seed = _int(data, "seed", 0, 0, 2**63 - 1)
+    ignore_eos = data.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise RequestError("ignore_eos", "must be true or false")
+    params = SamplingParams(
+        max_new_tokens=_int(data, "max_new_tokens", 64, 1, MAX_NEW_TOKENS),
+        temperature=_float(data, "temperature", 0.0, 0.0, 100.0),
+        top_k=_int(data, "top_k", 0, 0, 1_000_000),
+        top_p=_float(data, "top_p", 1.0, 0.0, 1.0, open_lo=True),
+        repetition_penalty=_float(data, "repetition_penalty", 1.0, 0.0, 100.0, open_lo=True),
+        seed=seed,
+        stop=tuple(stop),
+        ignore_eos=ignore_eos,
+    )
+    return JobSpec(rid, prompt, list(ids) if ids is not None else None, params)

@@ -1,0 +1,70 @@
+"""Real service parts for tests: a Redis server and Celery worker processes on this machine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class WorkerProcess:
+    """`weightq worker` in a subprocess, ready once its heartbeat appears in Redis."""
+
+    def __init__(self, url: str, name: str, home: Path, **settings: object) -> None:
+        self.name = name
+        self.log_path = home / f"{name.split('@')[0]}.log"
+        env = dict(os.environ, REDIS_URL=url, WEIGHTQ_HOME=str(home), PYTHONUNBUFFERED="1")
+        env.update({k.upper(): str(v) for k, v in settings.items()})
+        with open(self.log_path, "w") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "app.cli", "worker", "-n", name, "-l", "INFO"],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.redis = redis.Redis.from_url(url)
+
+    def wait_ready(self, timeout: float = 120) -> WorkerProcess:
+        deadline = time.monotonic() + timeout
+        while not self.redis.hexists("weightq:workers", self.name):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker {self.name} exited {self.proc.returncode}:\n{self.log()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {self.name} not ready:\n{self.log()[-3000:]}")
+            time.sleep(0.1)
+        return self
+
+    def stats(self) -> dict:
+        import json
+
+        raw = self.redis.hget("weightq:workers", self.name)
+        return json.loads(raw) if raw else {}
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.redis.hdel("weightq:workers", self.name)
+
+    def stop(self, timeout: float = 60) -> int:
+        """Warm shutdown (SIGTERM); a worker that hangs is killed and the test fails."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise AssertionError(f"worker {self.name} hung on warm shutdown:\n{self.log()[-3000:]}") from None
+        return self.proc.returncode
