@@ -212,6 +212,7 @@ class WorkerHost:
             if not b.running and not self.engine._inbox:
                 break
             time.sleep(0.1)
+        self.engine.sink.requeueing = True
         self.engine.stop("cancelled", "worker shutdown")
         self._stop.set()
         with contextlib.suppress(redis.RedisError):

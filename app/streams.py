@@ -84,6 +84,7 @@ class StreamPublisher:
         self._writer = threading.Thread(target=self._write_loop, name="weightq-streams", daemon=True)
         self._writer.start()
         self.annotations: dict[str, dict] = {}  # job id -> fields added to its result (attempt, worker)
+        self.requeueing = False  # set at shutdown: cancelled jobs go back to the queue, so no end entry
 
     def __call__(self, event: Event) -> None:
         self._pending.append((event, time.time()))  # stamped at emission: readers measure latency from here
@@ -117,6 +118,8 @@ class StreamPublisher:
             key = stream_key(ev.request_id)
             if isinstance(ev, FinishEvent):
                 extra = self.annotations.pop(ev.request_id, {})
+                if self.requeueing and ev.reason == "cancelled":
+                    continue
                 if ev.reason == "error":
                     fields = {"type": "error", "message": ev.error or "error", "field": _field_of(ev.error)}
                 else:

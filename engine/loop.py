@@ -268,9 +268,11 @@ class Engine:
             self.cache.ensure(seq.block_table, req.prefilled + n)
             prefill.append(Work(seq, req.prefilled, n, req.prefilled + n == req.context_len))
         decode: list[Work] = []
+        block = self.cache.block_size
         for req in plan.decode:
             seq = seqs[req.id]
-            self.cache.ensure(seq.block_table, req.prefilled + 1)
+            if req.prefilled >= len(seq.block_table) * block:  # the new token starts a block
+                self.cache.ensure(seq.block_table, req.prefilled + 1)
             decode.append(Work(seq, req.prefilled, 1, True))
         model_before = self.runner.model_s
         logits = self.runner.forward(prefill, decode)

@@ -229,3 +229,20 @@ def test_flower_shows_the_worker_and_engine_stats(service, tmp_path):
     finally:
         flower.terminate()
         flower.wait(10)
+
+
+def test_warm_shutdown_requeues_unfinished_jobs_and_never_hangs(service):
+    cfg = dict(FAST_RECOVERY, max_batch_weight=16384, shutdown_grace_s=1)
+    first = service.worker("w1@test", **cfg).wait_ready()
+    jobs = [service.client.submit(f"shutdown {i}", max_new_tokens=800, ignore_eos=True) for i in range(10)]
+    for job in jobs:
+        next(ev for ev in job.events(timeout=60) if ev.type == "token")
+    t0 = time.monotonic()
+    assert first.stop(timeout=60) == 0  # SIGTERM: exits cleanly, does not wait for 800 tokens
+    assert time.monotonic() - t0 < 30
+    service.worker("w2@test", **cfg).wait_ready()
+    for job in jobs:
+        result = job.result(timeout=120)
+        assert result["usage"]["completion_tokens"] == 800 and result["worker"] == "w2@test"
+        assert result["attempt"] == 2
+        assert "".join(job.stream(timeout=10)) == result["text"]
