@@ -1,7 +1,8 @@
 """weightq's engine: transformers models over a paged KV cache, continuously batched."""
 
 from .config import EngineConfig
-from .loop import Engine, Handle
+from .handle import Handle
+from .loop import Engine
 from .models import LoadedModel, ModelNotFound, load_model
 from .params import Event, FinishEvent, GenerationRequest, InvalidRequest, SamplingParams, TokenEvent
 

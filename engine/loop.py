@@ -8,60 +8,26 @@ and reports events (token, finish) to the caller's sink and to per-request handl
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
-from batcher import Batcher, BatcherConfig, ConfigError, Request, RequestRejected
+from batcher import Request, RequestRejected
 
-from .attention import register
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, StopMatcher, push_many
-from .flash import available as flash_available
-from .kv_cache import KVCache, derive_capacity
-from .models import LoadedModel, load_model, resolve_device
+from .handle import Handle
+from .models import LoadedModel
 from .params import Event, FinishEvent, FinishReason, GenerationRequest, InvalidRequest, TokenEvent
 from .runner import ModelRunner, Work
 from .sampling import sample
 from .sequence import Sequence
+from .setup import build
 
 log = logging.getLogger(__name__)
-
-
-class Handle:
-    """A submitted request: iterate its events (if streamed) or wait for its result."""
-
-    def __init__(self, request_id: str, stream: bool) -> None:
-        self.request_id = request_id
-        self._events: queue.SimpleQueue[Event] | None = queue.SimpleQueue() if stream else None
-        self._done = threading.Event()
-        self.final: FinishEvent | None = None
-
-    def _put(self, event: Event) -> None:
-        if self._events is not None:
-            self._events.put(event)
-        if isinstance(event, FinishEvent):
-            self.final = event
-            self._done.set()
-
-    def events(self, timeout: float | None = None) -> Iterator[Event]:
-        if self._events is None:
-            raise RuntimeError("submitted with stream=False: only result() is available")
-        while True:
-            event = self._events.get(timeout=timeout)
-            yield event
-            if isinstance(event, FinishEvent):
-                return
-
-    def result(self, timeout: float | None = None) -> FinishEvent:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
-        assert self.final is not None
-        return self.final
 
 
 class Engine:
@@ -73,59 +39,11 @@ class Engine:
         loaded: LoadedModel | None = None,
     ) -> None:
         self.config = cfg = config or EngineConfig()
-        device = resolve_device(cfg.device)
-        backend = cfg.attention
-        if backend == "auto":
-            backend = "flash" if device.type == "cuda" and flash_available() else "sdpa"
-        if backend == "flash" and not flash_available():
-            raise ConfigError("attention='flash' needs CUDA and the flash-attn package (pip install weightq[cuda])")
-        self.backend = backend
-        attn_name = register(backend)
-        self.lm = lm = loaded or load_model(
-            cfg.model,
-            device=cfg.device,
-            dtype=cfg.dtype,
-            attn_implementation=attn_name,
-            allow_download=cfg.allow_download,
-        )
-        if loaded is not None:
-            lm.model.set_attn_implementation(attn_name)
-        self.tokenizer = lm.tokenizer
-        block = cfg.block_size or (256 if backend == "flash" else 16)
-        max_total = min(cfg.max_total_tokens or lm.context_limit, lm.context_limit)
-        self.max_input_length = min(cfg.max_input_length or max_total - 1, max_total - 1)
-        weight = cfg.max_batch_weight
-        if weight is None and cfg.max_batch_size:
-            weight = cfg.max_batch_size * -(-max_total // block) * block
-        blocks, why = derive_capacity(
-            lm.geometry,
-            block,
-            lm.device,
-            max_batch_weight=weight,
-            cpu_kv_bytes=cfg.cpu_kv_bytes,
-            gpu_memory_fraction=cfg.gpu_memory_fraction,
-        )
-        log.info("KV cache: %s", why)
-        self.kv_derivation = why
-        self.cache = KVCache(lm.geometry, blocks, block, lm.device)
-        try:
-            self.batcher = Batcher(
-                BatcherConfig(
-                    max_batch_weight=blocks * block,
-                    max_batch_size=cfg.max_batch_size,
-                    max_total_tokens=max_total,
-                    max_prefill_weight=cfg.max_prefill_weight,
-                    chunked_prefill=True,
-                    block_size=block,
-                    jump_window_s=cfg.jump_window_s,
-                    max_wait_s=cfg.max_wait_s,
-                    mode=cfg.mode,
-                    predictive_quantile=cfg.predictive_quantile,
-                )
-            )
-        except ConfigError as e:
-            raise ConfigError(f"{e} (KV cache: {why})") from e
-        self.runner = ModelRunner(lm.model, self.cache, backend, lm.device)
+        parts = build(cfg, loaded)
+        self.backend, self.lm, self.cache, self.batcher = parts.backend, parts.lm, parts.cache, parts.batcher
+        self.kv_derivation, self.max_input_length = parts.kv_derivation, parts.max_input_length
+        self.tokenizer = self.lm.tokenizer
+        self.runner = ModelRunner(self.lm.model, self.cache, self.backend, self.lm.device)
         self.sink = sink
         self.seqs: dict[str, Sequence] = {}
         self._handles: dict[str, Handle] = {}
