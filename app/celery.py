@@ -33,9 +33,9 @@ def celery_config(s: Settings) -> dict:
         "broker_connection_retry_on_startup": True,
         "result_expires": s.result_ttl_s,
         "result_extended": True,
-        "task_track_started": True,
-        "task_send_sent_event": True,
-        "worker_send_task_events": True,
+        "task_track_started": False,  # Flower sees "started" through events; skip the extra backend write
+        "task_send_sent_event": s.task_events,
+        "worker_send_task_events": s.task_events,
         "worker_hijack_root_logger": False,
     }
 

@@ -213,8 +213,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
         settings.queue,
         "-l",
         args.loglevel,
-        "-E",
     ]
+    if settings.task_events:
+        argv.append("-E")
     if args.hostname:
         argv += ["-n", args.hostname]
     app.worker_main(argv)

@@ -72,11 +72,13 @@ def follow(url: str, ids: list[str], latencies: list[float], done: threading.Eve
     done.set()
 
 
-def pipeline(work) -> tuple[float, list[float]]:
+def pipeline(work, task_events: bool = True) -> tuple[float, list[float]]:
     home = Path(tempfile.mkdtemp(prefix="weightq-bench-"))
     server = EmbeddedRedis(home / "redis")
     url = server.start()
-    worker = WorkerProcess(url, "bench@pipeline", home, max_batch_weight=BUDGET, concurrency=len(work) + 8)
+    worker = WorkerProcess(
+        url, "bench@pipeline", home, max_batch_weight=BUDGET, concurrency=len(work) + 8, task_events=int(task_events)
+    )
     try:
         worker.wait_ready()
         client = Client(url, settings=Settings(redis_url=url))
@@ -102,10 +104,13 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--no-task-events", action="store_true", help="run the worker with TASK_EVENTS=0 (no Flower task view)"
+    )
     args = ap.parse_args()
     work = workload(args.requests, args.seed)
     inproc_tok_s = inproc(work)
-    pipe_tok_s, lat = pipeline(work)
+    pipe_tok_s, lat = pipeline(work, task_events=not args.no_task_events)
     out = {
         "requests": len(work),
         "inproc_tok_s": round(inproc_tok_s, 1),
@@ -114,6 +119,7 @@ def main() -> None:
         "token_latency_ms_p50": round(1000 * percentile(lat, 50), 3),
         "token_latency_ms_p99": round(1000 * percentile(lat, 99), 3),
         "tokens": len(lat),
+        "task_events": not args.no_task_events,
     }
     print(json.dumps(out, indent=None if args.json else 2))
 

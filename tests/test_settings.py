@@ -1,0 +1,37 @@
+"""Settings come from the environment, typed, with the variable named in every error."""
+
+import pytest
+
+from app.celery import celery_config
+from app.settings import Settings
+
+
+def test_from_env_types_and_defaults():
+    s = Settings.from_env(
+        {
+            "MAX_BATCH_WEIGHT": "4096",
+            "TASK_EVENTS": "off",
+            "MODEL": "/models/x",
+            "GPU_MEMORY_FRACTION": "0.5",
+            "REDIS_URL": "",
+        }
+    )
+    assert s.max_batch_weight == 4096 and s.task_events is False and s.model == "/models/x"
+    assert s.gpu_memory_fraction == 0.5 and s.redis_url == "" and s.concurrency == 128
+    assert s.engine_config().max_batch_weight == 4096
+    assert Settings.from_env({}).engine_config().max_batch_weight is None  # 0 means derive
+
+
+def test_bad_values_name_the_variable():
+    with pytest.raises(ValueError, match="MAX_BATCH_WEIGHT='lots': expected int"):
+        Settings.from_env({"MAX_BATCH_WEIGHT": "lots"})
+    with pytest.raises(ValueError, match="TASK_EVENTS='maybe': expected bool"):
+        Settings.from_env({"TASK_EVENTS": "maybe"})
+
+
+def test_celery_config_is_json_only_late_ack_and_short_visibility():
+    conf = celery_config(Settings(redis_url="redis://h:1/0", visibility_timeout_s=17))
+    assert conf["accept_content"] == ["json"] and conf["task_serializer"] == "json"
+    assert conf["task_acks_late"] and conf["worker_prefetch_multiplier"] == 1 and conf["worker_pool"] == "threads"
+    assert conf["broker_transport_options"]["visibility_timeout"] == 17
+    assert conf["broker_url"] == conf["result_backend"] == "redis://h:1/0"
