@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(VENV)/bin/weightq sim --json
 	$(PY) -m bench.admission --json
 	$(PY) -m bench.engine --json
+	$(PY) -m bench.pipeline --json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -109,9 +109,9 @@ FAST_RECOVERY = dict(visibility_timeout_s=6, lease_renew_s=1, restore_interval_s
 
 
 def test_sigkill_mid_generation_loses_nothing(service):
-    room = dict(FAST_RECOVERY, max_batch_weight=16384)  # all 20 run at once (worst case 20 x ~610)
+    room = dict(FAST_RECOVERY, max_batch_weight=20480)  # all 20 run at once (worst case 20 x ~910)
     first = service.worker("w1@test", **room).wait_ready()
-    n = 600  # long enough that none finishes before the kill
+    n = 900  # long enough that none finishes before the kill
     jobs = [
         service.client.submit(f"crash test {i}", max_new_tokens=n, ignore_eos=True, request_id=f"k{i}")
         for i in range(20)
