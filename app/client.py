@@ -22,7 +22,7 @@ import redis
 from tasks.schema import parse_request
 
 from .settings import Settings
-from .streams import CANCEL, CANCEL_CHANNEL, job_key, stream_key
+from .streams import CANCEL, CANCEL_CHANNEL, cancelled_result, job_key, stream_key
 
 TASK_NAME = "weightq.generate"
 END_TYPES = ("end", "error")
@@ -110,15 +110,7 @@ class Job:
         """Cancel: a queued job ends at once; a running one is stopped by its worker within a step.
         Returns the state the job was in ("queued", "running", "done" or "cancelled")."""
         s = self.client.settings
-        end = json.dumps(
-            {
-                "id": self.id,
-                "text": "",
-                "finish_reason": "cancelled",
-                "token_ids": [],
-                "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
-            }
-        )
+        end = json.dumps(cancelled_result(self.id))
         state = self.client.redis.eval(
             CANCEL,
             2,

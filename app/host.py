@@ -25,7 +25,7 @@ from engine import Engine, GenerationRequest
 from tasks.schema import JobSpec, RequestError
 
 from .settings import Settings
-from .streams import BEGIN, CANCEL_CHANNEL, job_key, result_dict, stream_key
+from .streams import BEGIN, CANCEL_CHANNEL, cancelled_result, job_key, result_dict, stream_key
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +55,7 @@ class WorkerHost:
             keys=[job_key(job_id), stream_key(job_id)], args=[s.stream_maxlen, 86_400, s.result_ttl_s]
         )
         if attempt == -1:
-            return {
-                "id": job_id,
-                "text": "",
-                "finish_reason": "cancelled",
-                "token_ids": [],
-                "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
-                "timings": {},
-            }
+            return cancelled_result(job_id)
         if attempt == -2:  # finished before, redelivered before its ack: the same result again
             return json.loads(stored)
         request = GenerationRequest(job_id, spec.prompt, spec.prompt_token_ids, spec.params)

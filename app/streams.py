@@ -138,6 +138,18 @@ def _field_of(message: str | None) -> str:
     return head if head.isidentifier() else ""
 
 
+def cancelled_result(job_id: str) -> dict:
+    """The result of a job cancelled before it ever ran."""
+    return {
+        "id": job_id,
+        "text": "",
+        "finish_reason": "cancelled",
+        "token_ids": [],
+        "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+        "timings": {},
+    }
+
+
 def result_dict(ev: FinishEvent) -> dict:
     """The JSON result of a generation (the task's return value)."""
     return {

@@ -199,18 +199,17 @@ class Engine:
         tokens = sample(logits, emitted, self._generator)
         done = time.monotonic()
         eos = self.lm.eos_token_ids
-        texting = [(s, t) for s, t in zip(emitted, tokens, strict=True) if t not in eos or s.params.ignore_eos]
-        deltas = dict(
-            zip(
-                (s.id for s, _ in texting),
-                push_many([s.detok for s, _ in texting], [t for _, t in texting]),
-                strict=True,
-            )
-        )
-        for seq, tok in zip(emitted, tokens, strict=True):
-            self._accept(seq, tok, deltas.get(seq.id), done)
-        prefill_tokens = plan.prefill_tokens
-        self._count(prefill_tokens, len(plan.decode), fwd, time.perf_counter() - t_start)
+        # One detokenizer pass for every token that has text; None marks an EOS that ends its request.
+        texting = [
+            i for i, (s, t) in enumerate(zip(emitted, tokens, strict=True)) if t not in eos or s.params.ignore_eos
+        ]
+        deltas: list[str | None] = [None] * len(emitted)
+        pieces = push_many([emitted[i].detok for i in texting], [tokens[i] for i in texting])
+        for i, piece in zip(texting, pieces, strict=True):
+            deltas[i] = piece
+        for seq, tok, delta in zip(emitted, tokens, deltas, strict=True):
+            self._accept(seq, tok, delta, done)
+        self._count(plan.prefill_tokens, len(plan.decode), fwd, time.perf_counter() - t_start)
         if self.config.check_invariants:
             self._check_invariants()
         return True

@@ -10,28 +10,11 @@ import torch
 
 from engine import Engine, EngineConfig
 from engine.flash import available as flash_available
-from tests.test_engine import mixed_requests
+from tests.test_engine import assert_greedy_equal, mixed_requests
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none on this machine")
 flash = pytest.mark.skipif(not flash_available(), reason="needs CUDA and the flash-attn package (weightq[cuda])")
 BF16_TIE = 5e-2  # bf16 logits are noisy: a divergence below this top1-top2 gap is a tie
-
-
-def _compare(engine: Engine, reference, reqs, tie: float) -> None:
-    results = engine.generate(reqs)
-    for req, res in zip(reqs, results, strict=True):
-        ids = torch.tensor([req.prompt_token_ids], device=reference.device)
-        with torch.no_grad():
-            want = reference.generate(ids, max_new_tokens=req.params.max_new_tokens, do_sample=False)[0, ids.shape[1] :]
-        want = want.tolist()
-        got = list(res.token_ids)
-        if got == want:
-            continue
-        k = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
-        with torch.no_grad():
-            logits = reference(torch.tensor([req.prompt_token_ids + want[:k]], device=reference.device)).logits[0, -1]
-        top = logits.float().topk(2).values
-        assert float(top[0] - top[1]) < tie, f"{req.id}: diverged at {k} with margin {float(top[0] - top[1]):.3g}"
 
 
 @cuda
@@ -50,7 +33,8 @@ def test_sdpa_backend_on_cuda_matches_generate(tiny_path):
             check_invariants=True,
         )
     )
-    _compare(engine, reference, mixed_requests(24, seed=5), 1e-3)
+    reqs = mixed_requests(24, seed=5)
+    assert_greedy_equal(reference, reqs, engine.generate(reqs), tie=1e-3)
 
 
 @flash
@@ -71,7 +55,8 @@ def test_flash_backend_matches_generate_in_bf16(tiny_path):
         )
     )
     assert engine.backend == "flash" and engine.cache.block_size == 256
-    _compare(engine, reference, mixed_requests(24, seed=6), BF16_TIE)
+    reqs = mixed_requests(24, seed=6)
+    assert_greedy_equal(reference, reqs, engine.generate(reqs), tie=BF16_TIE)
 
 
 @flash
