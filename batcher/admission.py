@@ -142,11 +142,12 @@ class Batcher:
 
     def room_for(self) -> int:
         """How many more requests of the typical size (recent admissions' reserved weight) would fit
-        now by the naive sum: what a worker may take from a shared queue without hoarding."""
-        if self.waiting:
-            return 0
+        by the naive sum after everything already waiting (at its worst case) is admitted: what a
+        worker may take from a shared queue without hoarding. Waiting work counts, not blocks:
+        requests held back only by the prefill cap start within a few steps."""
         typical = self._typical or self.weight.seq(self.config.max_total_tokens)
-        return max(0, (self.budget - self._committed) // typical)
+        pending = sum(self.weight.seq(r.max_total) for r in self.waiting)
+        return max(0, (self.budget - self._committed - pending) // typical)
 
     def projected_peak(self) -> int:
         return self._get_profile().peak() if self.running else 0

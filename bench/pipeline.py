@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import tempfile
 import threading
@@ -31,6 +32,20 @@ from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from tests.service import WorkerProcess
 
 BUDGET = 65536
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int | str = "self") -> float:
+    """User + system CPU seconds of a process (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def machine_busy() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot."""
+    vals = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = vals[3] + vals[4]
+    return (sum(vals) - idle) / TICK, sum(vals) / TICK
 
 
 def workload(n: int, seed: int) -> list[tuple[list[int], int]]:
@@ -38,16 +53,19 @@ def workload(n: int, seed: int) -> list[tuple[list[int], int]]:
     return [([rng.randrange(10, 1100) for _ in range(rng.randint(16, 128))], rng.randint(16, 96)) for _ in range(n)]
 
 
-def inproc(work) -> float:
+def inproc(work) -> tuple[float, dict]:
     engine = Engine(EngineConfig(max_batch_weight=BUDGET))
     engine.generate([GenerationRequest("warm", prompt_token_ids=work[0][0], params=SamplingParams(max_new_tokens=4))])
     reqs = [
         GenerationRequest(f"r{i}", prompt_token_ids=p, params=SamplingParams(max_new_tokens=n, ignore_eos=True))
         for i, (p, n) in enumerate(work)
     ]
-    t0 = time.perf_counter()
+    c0, t0 = cpu_s(), time.perf_counter()
     results = engine.generate(reqs)
-    return sum(r.completion_tokens for r in results) / (time.perf_counter() - t0)
+    elapsed = time.perf_counter() - t0
+    forward_s = engine.stats()["forward_s"]
+    cpu = {"cpu_s": round(cpu_s() - c0, 2), "wall_s": round(elapsed, 2), "engine_forward_s": forward_s}
+    return sum(r.completion_tokens for r in results) / elapsed, cpu
 
 
 def follow(url: str, ids: list[str], latencies: list[float], done: threading.Event) -> None:
@@ -72,7 +90,7 @@ def follow(url: str, ids: list[str], latencies: list[float], done: threading.Eve
     done.set()
 
 
-def pipeline(work, task_events: bool = True) -> tuple[float, list[float]]:
+def pipeline(work, task_events: bool = True) -> tuple[float, list[float], dict]:
     home = Path(tempfile.mkdtemp(prefix="weightq-bench-"))
     server = EmbeddedRedis(home / "redis")
     url = server.start()
@@ -88,12 +106,21 @@ def pipeline(work, task_events: bool = True) -> tuple[float, list[float]]:
         done = threading.Event()
         reader = threading.Thread(target=follow, args=(url, ids, latencies, done), daemon=True)
         reader.start()
+        pids = {"worker": worker.proc.pid, "redis": server.proc.pid, "bench": "self"}
+        cpu0 = {k: cpu_s(p) for k, p in pids.items()}
+        busy0, total0 = machine_busy()
         t0 = time.perf_counter()
         for job_id, (p, n) in zip(ids, work, strict=True):
             client.submit(prompt_token_ids=p, max_new_tokens=n, ignore_eos=True, request_id=job_id)
         done.wait(600)
         elapsed = time.perf_counter() - t0
-        return len(latencies) / elapsed, latencies
+        busy1, total1 = machine_busy()
+        cpu = {f"{k}_cpu_s": round(cpu_s(p) - cpu0[k], 2) for k, p in pids.items()}
+        cpu["wall_s"] = round(elapsed, 2)
+        cpu["machine_busy_pct"] = round(100 * (busy1 - busy0) / max(total1 - total0, 1e-9), 1)
+        time.sleep(1.2)  # the next heartbeat carries the final engine counters
+        cpu["engine_forward_s"] = worker.stats().get("forward_s")
+        return len(latencies) / elapsed, latencies, cpu
     finally:
         worker.stop()
         server.stop()
@@ -109,8 +136,8 @@ def main() -> None:
     )
     args = ap.parse_args()
     work = workload(args.requests, args.seed)
-    inproc_tok_s = inproc(work)
-    pipe_tok_s, lat = pipeline(work, task_events=not args.no_task_events)
+    inproc_tok_s, inproc_cpu = inproc(work)
+    pipe_tok_s, lat, pipe_cpu = pipeline(work, task_events=not args.no_task_events)
     out = {
         "requests": len(work),
         "inproc_tok_s": round(inproc_tok_s, 1),
@@ -120,6 +147,8 @@ def main() -> None:
         "token_latency_ms_p99": round(1000 * percentile(lat, 99), 3),
         "tokens": len(lat),
         "task_events": not args.no_task_events,
+        "inproc_cpu": inproc_cpu,
+        "pipeline_cpu": pipe_cpu,
     }
     print(json.dumps(out, indent=None if args.json else 2))
 

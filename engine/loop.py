@@ -25,7 +25,7 @@ from .params import Event, FinishEvent, FinishReason, GenerationRequest, Invalid
 from .runner import ModelRunner, Work
 from .sampling import sample
 from .sequence import Sequence
-from .setup import build
+from .setup import build, on_fresh_thread
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +39,11 @@ class Engine:
         loaded: LoadedModel | None = None,
     ) -> None:
         self.config = cfg = config or EngineConfig()
-        parts = build(cfg, loaded)
+        parts = on_fresh_thread(lambda: build(cfg, loaded))  # see on_fresh_thread: keeps torch fast on our thread
         self.backend, self.lm, self.cache, self.batcher = parts.backend, parts.lm, parts.cache, parts.batcher
         self.kv_derivation, self.max_input_length = parts.kv_derivation, parts.max_input_length
         self.tokenizer = self.lm.tokenizer
-        self.runner = ModelRunner(self.lm.model, self.cache, self.backend, self.lm.device)
+        self.runner = on_fresh_thread(lambda: ModelRunner(self.lm.model, self.cache, self.backend, self.lm.device))
         self.sink = sink
         self.seqs: dict[str, Sequence] = {}
         self._handles: dict[str, Handle] = {}

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from batcher import Batcher, BatcherConfig, ConfigError
 
@@ -14,6 +17,32 @@ from .kv_cache import KVCache, derive_capacity
 from .models import LoadedModel, load_model, resolve_device
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def on_fresh_thread(fn: Callable[[], T]) -> T:
+    """Run `fn` on a short-lived thread and return its result (or raise its error).
+
+    Torch's CPU ops run on OpenMP (libgomp), which keeps a team of spinning threads alive for every
+    thread that ever ran a parallel op. Once more such threads exist than cores, libgomp stops spinning
+    and every small op pays a futex wake-up: on 2 cores the engine thread ran its forward passes 1.5-5x
+    slower after the model had been loaded on the (long-lived) main thread. Loading here lets that
+    team die with the thread, leaving the engine thread the only OpenMP user.
+    """
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # re-raised on the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="weightq-load")
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]  # type: ignore[return-value]
 
 
 @dataclass(slots=True)

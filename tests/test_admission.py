@@ -205,3 +205,18 @@ def test_predictive_reserves_estimates_and_preempts_newest_instead_of_overflowin
     assert b.stats.preempted_tokens > 0
     assert all(r.generated == 80 for r in reqs)  # preempted requests kept their tokens and finished
     assert reqs[0].preemptions == 0 and reqs[-1].preemptions > 0  # the newest go first
+
+
+def test_room_counts_waiting_work_so_prefetch_never_stalls_on_the_prefill_cap():
+    # Budget 1000, requests reserve 100 each. The prefill cap (30) admits one 20-token prompt per step,
+    # so two wait after the first step; the room is what remains after all three are in: 7 more.
+    b = batcher(1000, max_prefill_weight=30, chunked_prefill=False)
+    assert b.room_for() == 1000 // 1000  # nothing seen yet: a worst-case request
+    for i in range(3):
+        b.submit(Request(f"r{i}", 20, 80))
+    b.schedule(now=0.0)
+    assert len(b.running) == 1 and len(b.waiting) == 2
+    assert b.room_for() == (1000 - 3 * 100) // 100
+    for i in range(3, 10):
+        b.submit(Request(f"r{i}", 20, 80))
+    assert b.room_for() == 0  # what waits already fills the budget: take nothing more
