@@ -58,7 +58,7 @@ class WorkerHost:
             return cancelled_result(job_id)
         if attempt == -2:  # finished before, redelivered before its ack: the same result again
             return json.loads(stored)
-        request = GenerationRequest(job_id, spec.prompt, spec.prompt_token_ids, spec.params)
+        request = GenerationRequest(job_id, spec.prompt, spec.prompt_token_ids, spec.params, spec.messages)
         extra = {"attempt": int(attempt), "worker": self.hostname}
         self.engine.sink.annotations[job_id] = extra
         with self._lock:
@@ -94,7 +94,8 @@ class WorkerHost:
         pipe.execute()
 
     def _done(self, job_id: str, result: dict | None) -> None:
-        mapping = {"state": "done"}
+        cancelled = result is not None and result.get("finish_reason") == "cancelled"
+        mapping = {"state": "cancelled" if cancelled else "done"}
         if result is not None:
             mapping["result"] = json.dumps(result)
         pipe = self.redis.pipeline(transaction=False)
@@ -188,7 +189,11 @@ class WorkerHost:
     def stats(self) -> dict:
         with self._lock:
             active = len(self.active)
-        return self.engine.stats() | {"active_jobs": active, "hostname": self.hostname}
+        stats = self.engine.stats() | {"active_jobs": active, "hostname": self.hostname}
+        metrics = getattr(self.engine.sink, "metrics", None)
+        if metrics is not None:
+            stats["metrics"] = metrics.snapshot()
+        return stats
 
     # ----- shutdown -----------------------------------------------------------------------------
     def shutdown(self) -> None:

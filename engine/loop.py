@@ -122,6 +122,15 @@ class Engine:
                 raise RuntimeError("engine idle with unfinished requests")
         return [h.final for h in handles]  # type: ignore[misc]
 
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The prompt text of a chat: the tokenizer's chat template with the assistant's turn opened."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequest("messages", f"model {self.config.model} has no chat template: send a prompt")
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # templates raise on roles or orders they do not support
+            raise InvalidRequest("messages", f"the chat template refused them: {e}") from None
+
     def stats(self) -> dict:
         b, c = self.batcher, self.cache
         return {
@@ -129,6 +138,8 @@ class Engine:
             "waiting": len(b.waiting),
             "batch_weight": b.batch_weight(),
             "max_batch_weight": b.budget,
+            "max_input_length": self.max_input_length,
+            "max_total_tokens": b.config.max_total_tokens,
             "kv_blocks_used": c.used_blocks,
             "kv_blocks_total": c.num_blocks,
             "block_size": c.block_size,
@@ -226,8 +237,10 @@ class Engine:
             ids = self.tokenizer(request.prompt, add_special_tokens=True)["input_ids"]
             if not ids and self.tokenizer.bos_token_id is not None:
                 ids = [self.tokenizer.bos_token_id]
+        elif request.messages is not None:
+            ids = self.tokenizer(self.render_chat(request.messages), add_special_tokens=False)["input_ids"]
         else:
-            raise InvalidRequest("prompt", "give a prompt string or prompt_token_ids")
+            raise InvalidRequest("prompt", "give a prompt string, prompt_token_ids or messages")
         if not ids:
             raise InvalidRequest("prompt", "must not be empty")
         if len(ids) > self.max_input_length:

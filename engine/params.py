@@ -61,6 +61,7 @@ class GenerationRequest:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
+    messages: list[dict[str, str]] | None = None  # a chat, rendered with the tokenizer's chat template
 
 
 @dataclass(frozen=True, slots=True)

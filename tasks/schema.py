@@ -16,10 +16,13 @@ MAX_PROMPT_CHARS = 1_000_000
 MAX_STOP = 32
 MAX_STOP_CHARS = 256
 MAX_NEW_TOKENS = 1_000_000
+MAX_MESSAGES = 512
+ROLES = ("system", "user", "assistant", "tool")
 ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 FIELDS = {
     "prompt",
     "prompt_token_ids",
+    "messages",
     "request_id",
     "max_new_tokens",
     "temperature",
@@ -49,6 +52,7 @@ class JobSpec:
     prompt: str | None
     prompt_token_ids: list[int] | None
     params: SamplingParams
+    messages: list[dict[str, str]] | None = None
 
 
 def _int(d: dict, name: str, default: int, lo: int, hi: int) -> int:
@@ -78,9 +82,9 @@ def parse_request(data: object) -> JobSpec:
     unknown = sorted(set(data) - FIELDS)
     if unknown:
         raise RequestError(unknown[0], f"unknown field; accepted: {', '.join(sorted(FIELDS))}")
-    prompt, ids = data.get("prompt"), data.get("prompt_token_ids")
-    if (prompt is None) == (ids is None):
-        raise RequestError("prompt", "give exactly one of prompt or prompt_token_ids")
+    prompt, ids, messages = data.get("prompt"), data.get("prompt_token_ids"), data.get("messages")
+    if sum(x is not None for x in (prompt, ids, messages)) != 1:
+        raise RequestError("prompt", "give exactly one of prompt, prompt_token_ids or messages")
     if prompt is not None:
         if not isinstance(prompt, str):
             raise RequestError("prompt", f"must be a string (got {type(prompt).__name__})")
@@ -91,6 +95,8 @@ def parse_request(data: object) -> JobSpec:
             raise RequestError("prompt_token_ids", "must be a non-empty list of integers")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
             raise RequestError("prompt_token_ids", "every entry must be a non-negative integer")
+    if messages is not None:
+        messages = _messages(messages)
     rid = data.get("request_id")
     if rid is not None and (not isinstance(rid, str) or not ID_PATTERN.match(rid)):
         raise RequestError("request_id", "must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")
@@ -117,4 +123,23 @@ def parse_request(data: object) -> JobSpec:
         stop=tuple(stop),
         ignore_eos=ignore_eos,
     )
-    return JobSpec(rid, prompt, list(ids) if ids is not None else None, params)
+    return JobSpec(rid, prompt, list(ids) if ids is not None else None, params, messages)
+
+
+def _messages(messages: object) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not 1 <= len(messages) <= MAX_MESSAGES:
+        raise RequestError("messages", f"must be a list of 1 to {MAX_MESSAGES} messages")
+    out, total = [], 0
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or set(m) - {"role", "content", "name"}:
+            raise RequestError(f"messages[{i}]", "must be an object with role and content (and optionally name)")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise RequestError(f"messages[{i}].role", f"must be one of {', '.join(ROLES)} (got {role!r})")
+        if not isinstance(content, str):
+            raise RequestError(f"messages[{i}].content", f"must be a string (got {type(content).__name__})")
+        total += len(content)
+        if total > MAX_PROMPT_CHARS:
+            raise RequestError("messages", f"more than {MAX_PROMPT_CHARS} characters in all")
+        out.append({"role": role, "content": content})
+    return out
