@@ -49,6 +49,15 @@ class Settings:
     result_ttl_s: int = 86_400
     shutdown_grace_s: float = 30.0  # warm shutdown: finish running generations this long, then requeue
     weightq_home: str = str(Path.home() / ".cache" / "weightq")
+    metrics_port: int = 0  # a worker's own Prometheus endpoint (0: off; the gateway's /metrics covers all)
+    metrics_host: str = "127.0.0.1"
+    # HTTP gateway
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = 8000
+    api_key: str = ""  # when set, every route but /health needs `Authorization: Bearer <key>`
+    served_model_name: str = ""  # the model name clients send and see (default: MODEL)
+    max_body_bytes: int = 4 * 2**20  # larger request bodies get 413
+    request_timeout_s: float = 600.0  # a job with no stream entry for this long is cancelled (504)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:

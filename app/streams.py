@@ -25,6 +25,8 @@ import redis
 
 from engine import Event, FinishEvent
 
+from .metrics import EngineMetrics
+
 log = logging.getLogger(__name__)
 
 
@@ -85,9 +87,12 @@ class StreamPublisher:
         self._writer.start()
         self.annotations: dict[str, dict] = {}  # job id -> fields added to its result (attempt, worker)
         self.requeueing = False  # set at shutdown: cancelled jobs go back to the queue, so no end entry
+        self.metrics: EngineMetrics | None = None
 
     def __call__(self, event: Event) -> None:
         self._pending.append((event, time.time()))  # stamped at emission: readers measure latency from here
+        if self.metrics is not None and isinstance(event, FinishEvent):
+            self.metrics.observe(event)
 
     def flush(self) -> None:
         if self._pending:

@@ -12,10 +12,12 @@ import logging
 import redis
 from celery import bootsteps
 from celery.exceptions import ImproperlyConfigured
+from prometheus_client import CollectorRegistry, start_http_server
 
 from engine import Engine
 
 from .host import WorkerHost
+from .metrics import EngineMetrics, WorkerCollector
 from .settings import Settings
 from .streams import StreamPublisher
 
@@ -47,11 +49,17 @@ class EngineStep(bootsteps.StartStopStep):
         settings = Settings.from_env()
         client = redis.Redis.from_url(settings.resolved_redis_url(), socket_timeout=30, health_check_interval=10)
         publisher = StreamPublisher(client, maxlen=settings.stream_maxlen, ttl_s=settings.stream_ttl_s)
+        publisher.metrics = EngineMetrics()
         engine = Engine(settings.engine_config(), sink=publisher)
         self.host = host = WorkerHost(settings, engine, client, worker.hostname)
         worker.app.weightq_host = host
         engine.start()
         host.start()
+        if settings.metrics_port:
+            registry = CollectorRegistry()
+            registry.register(WorkerCollector(lambda: {worker.hostname: host.stats()}))
+            start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=registry)
+            log.info("Prometheus metrics on http://%s:%d/metrics", settings.metrics_host, settings.metrics_port)
         log.info("weightq engine ready on %s: %s", worker.hostname, engine.kv_derivation)
 
     def stop(self, worker) -> None:

@@ -68,3 +68,52 @@ class WorkerProcess:
                 self.kill()
                 raise AssertionError(f"worker {self.name} hung on warm shutdown:\n{self.log()[-3000:]}") from None
         return self.proc.returncode
+
+
+class GatewayProcess:
+    """`weightq gateway` in a subprocess on a free port, ready once it answers /health."""
+
+    def __init__(self, url: str, home: Path, **settings: object) -> None:
+        from app.redis_server import free_port
+
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = home / f"gateway-{self.port}.log"
+        env = dict(os.environ, REDIS_URL=url, WEIGHTQ_HOME=str(home), PYTHONUNBUFFERED="1")
+        env.update({k.upper(): str(v) for k, v in settings.items()})
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "app.cli", "gateway", "--port", str(self.port), "--log-level", "warning"],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def wait_ready(self, timeout: float = 60) -> GatewayProcess:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited {self.proc.returncode}:\n{self.log()[-3000:]}")
+            try:
+                httpx.get(self.base + "/health", timeout=2)
+                return self
+            except httpx.TransportError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"gateway not ready:\n{self.log()[-3000:]}") from None
+                time.sleep(0.1)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)

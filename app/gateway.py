@@ -1,0 +1,351 @@
+"""The HTTP gateway: OpenAI- and TGI-compatible routes in front of the Celery queue.
+
+    weightq gateway            # or: uvicorn --factory app.gateway:create_app
+
+Every generation request becomes a `weightq.generate` job; streaming responses follow the job's
+Redis stream (all of them over one connection, see hub.py). A client that disconnects cancels its
+job. Bad input is a 4xx whose JSON names the field; the gateway holds no model and no GPU, so any
+number of gateways can front the same Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import redis
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+from tasks.schema import RequestError
+
+from . import openai_api, tgi_api
+from .client import Client
+from .http_errors import HTTPError, JobError
+from .hub import StreamHub
+from .metrics import HEARTBEATS, WorkerCollector, live_workers
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+VERSION = "0.1.0"
+T = TypeVar("T")
+
+
+class Gateway:
+    """Shared state of one gateway process: the job client, the stream hub and the metrics."""
+
+    def __init__(self, settings: Settings, url: str | None = None) -> None:
+        self.settings = settings
+        self.url = url or settings.resolved_redis_url()
+        self.client = Client(self.url, settings=settings)
+        self.model = settings.served_model_name or settings.model
+        self.version = VERSION
+        self.hub: StreamHub | None = None
+        self.registry = CollectorRegistry()
+        self.http_requests = Counter(
+            "weightq_http_requests", "HTTP requests by route and status", ["route", "status"], registry=self.registry
+        )
+        self.streams_open = Gauge(
+            "weightq_http_streams_open", "Streaming responses in progress", registry=self.registry
+        )
+        self.registry.register(WorkerCollector(self.workers))
+
+    # ----- plumbing -----------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        self.hub = StreamHub(self.url)
+        await self.hub.start()
+        log.info("weightq gateway: Redis %s, model %s", self.url, self.model)
+        try:
+            yield
+        finally:
+            await self.hub.close()
+
+    def workers(self) -> dict[str, dict]:
+        try:
+            return live_workers(self.client.redis.hgetall(HEARTBEATS))
+        except redis.RedisError:
+            return {}
+
+    def check_key(self, authorization: str) -> None:
+        key = self.settings.api_key
+        if not key:
+            return
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise HTTPError(
+                401, "missing or wrong API key (send Authorization: Bearer <key>)", None, "authentication_error"
+            )
+
+    async def body(self, request: Request) -> Any:
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise HTTPError(413, f"request body of {declared} bytes exceeds {limit}", "body")
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > limit:
+                raise HTTPError(413, f"request body exceeds {limit} bytes", "body")
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, absurd nesting
+            raise HTTPError(400, f"body is not valid JSON: {str(e)[:200]}", "body") from None
+
+    async def submit(self, job: dict) -> str:
+        j = await asyncio.to_thread(self.client.submit, **job)
+        return j.id
+
+    def cancel_soon(self, job_id: str) -> None:
+        """Cancel from a worker thread: also safe inside a cancelled task's cleanup."""
+        loop = asyncio.get_running_loop()
+        loop.run_in_executor(None, self._cancel, job_id)
+
+    def _cancel(self, job_id: str) -> None:
+        try:
+            state = self.client.job(job_id).cancel()
+            log.info("job %s cancelled (client went away; it was %s)", job_id, state)
+        except Exception:
+            log.exception("cancelling job %s failed", job_id)
+
+    async def events(self, job_id: str, last_id: str = "0-0") -> AsyncIterator[tuple[str, dict]]:
+        """Stream entries, with a restarted job's repeated tokens dropped and a timeout when idle."""
+        assert self.hub is not None
+        delivered = 0
+        it = self.hub.follow(job_id, last_id).__aiter__()
+        try:
+            while True:
+                try:
+                    entry_id, fields = await asyncio.wait_for(it.__anext__(), self.settings.request_timeout_s)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise HTTPError(504, f"job {job_id}: nothing for {self.settings.request_timeout_s} s", None,
+                                    "timeout") from None  # fmt: skip
+                kind = fields.get("type")
+                if kind == "token":
+                    i = int(fields.get("i", 0))
+                    if i < delivered:
+                        continue  # a redelivered job regenerates what was already sent
+                    delivered = i + 1
+                yield entry_id, fields
+        finally:
+            await it.aclose()
+
+    async def result(self, request: Request, job_id: str) -> dict:
+        """The job's final result."""
+
+        async def collect() -> dict:
+            async for _, fields in self.events(job_id):
+                if fields.get("type") == "end":
+                    return json.loads(fields["result"])
+                if fields.get("type") == "error":
+                    raise JobError(fields)
+            raise HTTPError(500, f"job {job_id}: stream ended without a result", None, "internal_error")
+
+        return await self.wait(request, job_id, collect())
+
+    async def wait(self, request: Request, job_id: str, work: Awaitable[T]) -> T:
+        """Await `work` (reading the job's stream); a client that disconnects meanwhile cancels the job."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    raise asyncio.CancelledError
+        except BaseException:
+            if not task.done() or task.cancelled():
+                self.cancel_soon(job_id)
+            task.cancel()
+            raise
+
+    async def stream(
+        self, job_id: str, first_chunk: Callable[[], list[str]], chunks: Callable[[str, dict], list[str]]
+    ) -> StreamingResponse:
+        """An SSE response; the first entry is read before answering so a refused job is a 4xx."""
+        events = self.events(job_id)
+        try:
+            entry_id, fields = await anext(events)
+            while fields.get("type") == "attempt":
+                entry_id, fields = await anext(events)
+        except BaseException:
+            await events.aclose()
+            self.cancel_soon(job_id)
+            raise
+        if fields.get("type") == "error":
+            await events.aclose()
+            raise JobError(fields)
+
+        async def body() -> AsyncIterator[str]:
+            finished = False
+            self.streams_open.inc()
+            try:
+                for line in first_chunk():
+                    yield line
+                current = (entry_id, fields)
+                while True:
+                    eid, f = current
+                    for line in chunks(eid, f):
+                        yield line
+                    if f.get("type") in ("end", "error"):
+                        finished = True
+                        return
+                    current = await anext(events)
+            finally:
+                self.streams_open.dec()
+                await events.aclose()
+                if not finished:
+                    self.cancel_soon(job_id)
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+class Guard:
+    """ASGI middleware: the API key check and per-route request counts. (Pure ASGI, not Starlette's
+    BaseHTTPMiddleware, which hides a client's disconnect from the handlers.)"""
+
+    OPEN = ("/health", "/docs", "/openapi.json")
+
+    def __init__(self, app, gateway: Gateway) -> None:
+        self.app, self.gw = app, gateway
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        status = 500
+
+        async def send_status(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if path not in self.OPEN:
+                auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+                try:
+                    self.gw.check_key(auth)
+                except HTTPError as e:
+                    await error_response(path, e)(scope, receive, send_status)
+                    return
+            await self.app(scope, receive, send_status)
+        finally:
+            self.gw.http_requests.labels(path if path in KNOWN_ROUTES else "other", str(status)).inc()
+
+
+def sse(data: dict | str, event_id: str | None = None) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return (f"id: {event_id}\n" if event_id else "") + f"data: {payload}\n\n"
+
+
+def create_app(settings: Settings | None = None, url: str | None = None) -> FastAPI:
+    gw = Gateway(settings or Settings.from_env(), url)
+    app = FastAPI(title="weightq gateway", version=VERSION, lifespan=gw.lifespan)
+    app.state.gateway = gw
+    app.add_middleware(Guard, gateway=gw)
+
+    @app.exception_handler(HTTPError)
+    async def on_http_error(request: Request, e: HTTPError) -> Response:
+        return error_response(request.url.path, e)
+
+    @app.exception_handler(RequestError)
+    async def on_request_error(request: Request, e: RequestError) -> Response:
+        return error_response(request.url.path, HTTPError(400, str(e), e.field))
+
+    @app.exception_handler(JobError)
+    async def on_job_error(request: Request, e: JobError) -> Response:
+        return error_response(request.url.path, HTTPError(e.status, str(e), e.field))
+
+    openai_api_routes(app, gw)
+    tgi_api.routes(app, gw, sse)
+
+    @app.get("/health")
+    def health() -> Response:
+        try:
+            gw.client.redis.ping()
+        except redis.RedisError as e:
+            return JSONResponse({"status": "redis unreachable", "error": str(e)}, status_code=503)
+        n = len(gw.workers())
+        return JSONResponse({"status": "ok" if n else "no workers", "workers": n}, status_code=200 if n else 503)
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(gw.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+KNOWN_ROUTES = {
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/generate",
+    "/generate_stream",
+    "/",
+    "/info",
+    "/health",
+    "/metrics",
+}
+
+
+def error_response(route: str, e: HTTPError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    if route.startswith("/v1/"):
+        body: dict = {"error": {"message": e.message, "type": e.kind, "param": e.field, "code": None}}
+    else:  # TGI's shape: {"error", "error_type"}
+        body = {"error": e.message, "error_type": tgi_api.error_type(e.status), "field": e.field}
+    return JSONResponse(body, status_code=e.status, headers=headers)
+
+
+def openai_api_routes(app: FastAPI, gw: Gateway) -> None:
+    @app.get("/v1/models")
+    def models() -> dict:
+        return {
+            "object": "list",
+            "data": [{"id": gw.model, "object": "model", "created": 0, "owned_by": "weightq"}],
+        }
+
+    async def completions(request: Request, chat: bool) -> Response:
+        body = await gw.body(request)
+        job = openai_api.chat_job(body, gw.model) if chat else openai_api.completion_job(body, gw.model)
+        job_id = await gw.submit(job)
+        if not body.get("stream"):
+            result = await gw.result(request, job_id)
+            return JSONResponse(openai_api.completion_response(job_id, gw.model, result, chat=chat))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        writer = openai_api.ChunkWriter(job_id, gw.model, chat=chat)
+
+        def chunks(entry_id: str, f: dict) -> list[str]:
+            kind = f.get("type")
+            if kind == "token":
+                return [sse(writer.delta(f.get("text", "")), entry_id)] if f.get("text") else []
+            if kind == "end":
+                result = json.loads(f["result"])
+                out = [sse(writer.finish(result), entry_id)]
+                if include_usage:
+                    out.append(sse(writer.usage(result)))
+                return [*out, sse("[DONE]")]
+            if kind == "error":
+                err = {"error": {"message": f.get("message", "error"), "type": "server_error", "param": f.get("field")}}
+                return [sse(err, entry_id), sse("[DONE]")]
+            return []
+
+        return await gw.stream(job_id, list, chunks)
+
+    @app.post("/v1/completions")
+    async def completion(request: Request) -> Response:
+        return await completions(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completion(request: Request) -> Response:
+        return await completions(request, chat=True)

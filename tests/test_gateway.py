@@ -1,0 +1,187 @@
+"""The HTTP gateway driven by the clients people already use: `openai` and HF's `text_generation`.
+
+One Redis, one worker and one gateway (with an API key) serve the whole module.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import ClassVar
+
+import httpx
+import openai
+import pytest
+import redis
+import text_generation
+from text_generation.errors import ValidationError
+
+from app.streams import job_key
+from tests.service import GatewayProcess, WorkerProcess
+
+KEY = "test-key-123"
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url, tmp_path_factory):
+    home = tmp_path_factory.mktemp("gateway")
+    redis.Redis.from_url(redis_url).flushall()
+    worker = WorkerProcess(redis_url, "gw@test", home, max_batch_weight=8192, concurrency=32)
+    gateway = GatewayProcess(redis_url, home, api_key=KEY)
+    worker.wait_ready()
+    gateway.wait_ready()
+
+    class Stack:
+        url = redis_url
+        base = gateway.base
+        oai = openai.OpenAI(base_url=gateway.base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        tgi = text_generation.Client(gateway.base, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        headers: ClassVar[dict] = {"Authorization": f"Bearer {KEY}"}
+
+        @staticmethod
+        def stats() -> dict:
+            time.sleep(1.2)  # the next heartbeat
+            return worker.stats()
+
+    yield Stack
+    gateway.stop()
+    worker.stop()
+    worker.kill()
+
+
+def test_openai_completions_stream_equals_non_stream(stack):
+    kw = {"model": "builtin:tiny", "prompt": "The scheduler admits", "max_tokens": 20, "temperature": 0}
+    full = stack.oai.completions.create(**kw)
+    assert full.object == "text_completion" and full.choices[0].finish_reason in ("length", "stop")
+    u = full.usage
+    assert 0 < u.completion_tokens <= 20 and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    chunks = list(stack.oai.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+
+
+def test_openai_chat_uses_the_chat_template_like_the_engine(stack, tiny_loaded):
+    from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a KV block?"}]
+    full = stack.oai.chat.completions.create(model="builtin:tiny", messages=messages, max_tokens=16, temperature=0)
+    want = Engine(EngineConfig(max_batch_weight=4096), loaded=tiny_loaded).generate(
+        [GenerationRequest("c", messages=messages, params=SamplingParams(max_new_tokens=16))]
+    )[0]
+    assert full.choices[0].message.content == want.text
+    assert full.choices[0].message.role == "assistant"
+    assert full.usage.prompt_tokens == want.prompt_tokens
+    stream = stack.oai.chat.completions.create(
+        model="builtin:tiny", messages=messages, max_tokens=16, temperature=0, stream=True
+    )
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    assert deltas[0].role == "assistant"
+    assert "".join(d.content or "" for d in deltas) == want.text
+
+
+def test_models_health_and_auth(stack):
+    assert [m.id for m in stack.oai.models.list()] == ["builtin:tiny"]
+    assert httpx.get(stack.base + "/health").json() == {"status": "ok", "workers": 1}  # no key needed
+    bad = openai.OpenAI(base_url=stack.base + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    assert httpx.post(stack.base + "/generate", json={"inputs": "x"}).status_code == 401
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "hi", "max_tokens": -1}, "max_new_tokens"),
+        ({"prompt": "hi", "max_tokens": 100_000}, "max_new_tokens"),  # over max_total_tokens: the worker says so
+        ({"prompt": "hi", "n": 2}, "n"),
+        ({"prompt": "hi", "temperature": -1}, "temperature"),
+        ({"prompt": "hi", "logprobs": 3}, "logprobs"),
+        ({"prompt": "hi", "model": "gpt-4"}, "model"),
+        ({"prompt": "hi", "bogus": 1}, "bogus"),
+        ({"prompt": 42}, "prompt"),
+    ],
+)
+def test_openai_bad_requests_are_400_naming_the_field(stack, body, param):
+    r = httpx.post(stack.base + "/v1/completions", json=body, headers=stack.headers, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_malformed_bodies_are_4xx(stack):
+    post = lambda data, **kw: httpx.post(  # noqa: E731
+        stack.base + "/v1/chat/completions", content=data, headers=stack.headers, timeout=30, **kw
+    )
+    assert post(b"{not json").status_code == 400
+    assert post(b"\xff\xfe\x00garbage").status_code == 400
+    assert post(b"[" * 100_000 + b"]" * 100_000).status_code in (400, 413)
+    assert post(b'{"messages": []}').json()["error"]["param"] == "messages"
+    r = post(json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].role"
+    assert post(b"x" * (5 * 2**20)).status_code == 413
+
+
+def test_tgi_client_generate_and_stream(stack):
+    full = stack.tgi.generate("The scheduler admits", max_new_tokens=12)
+    assert full.details.generated_tokens == len(full.details.tokens) <= 12
+    assert full.details.finish_reason in ("length", "eos_token")
+    assert full.generated_text == "".join(t.text for t in full.details.tokens)
+    streamed = list(stack.tgi.generate_stream("The scheduler admits", max_new_tokens=12))
+    text = "".join(r.token.text for r in streamed if not r.token.special)
+    assert text == full.generated_text == streamed[-1].generated_text
+    with pytest.raises(ValidationError, match="max_new_tokens"):
+        stack.tgi.generate("x", max_new_tokens=100_000)
+    r = httpx.post(stack.base + "/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 3}},
+                   headers=stack.headers, timeout=30)  # fmt: skip
+    assert r.status_code == 200 and set(r.json()) == {"generated_text"}
+    info = httpx.get(stack.base + "/info", headers=stack.headers).json()
+    assert info["model_id"] == "builtin:tiny" and info["max_batch_total_tokens"] == 8192 and info["workers"] == 1
+
+
+def _cancelled_jobs(url: str) -> list[str]:
+    r = redis.Redis.from_url(url, decode_responses=True)
+    return [k for k in r.scan_iter("weightq:job:*") if r.hget(k, "state") == "cancelled"]
+
+
+def test_a_client_that_disconnects_cancels_its_job_and_frees_its_blocks(stack):
+    body = {"prompt": "The scheduler admits", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", stack.base + "/v1/completions", json=body, headers=stack.headers, timeout=30) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        job_id = json.loads(first[5:])["id"].removeprefix("cmpl-")
+        for _ in range(5):
+            next(lines)
+    r = redis.Redis.from_url(stack.url, decode_responses=True)
+    deadline = time.monotonic() + 10
+    while r.hget(job_key(job_id), "state") != "cancelled":
+        assert time.monotonic() < deadline, r.hgetall(job_key(job_id))
+        time.sleep(0.05)
+    # Non-streaming: the client gives up after a second; its job goes too.
+    before = len(_cancelled_jobs(stack.url))
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(stack.base + "/v1/completions", json={**body, "stream": False}, headers=stack.headers, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while len(_cancelled_jobs(stack.url)) == before:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    stats = stack.stats()
+    assert stats["running"] == 0 and stats["kv_blocks_used"] == 0
+
+
+def test_metrics_cover_the_workers_engines(stack):
+    stack.oai.completions.create(model="builtin:tiny", prompt="hello", max_tokens=4)
+    stack.stats()
+    text = httpx.get(stack.base + "/metrics", headers=stack.headers).text
+    for name in (
+        'weightq_requests_running{worker="gw@test"}',
+        'weightq_batch_weight_budget{worker="gw@test"} 8192.0',
+        'weightq_kv_blocks_used{worker="gw@test"}',
+        'weightq_decode_tokens_total{worker="gw@test"}',
+        'weightq_time_to_first_token_seconds_bucket{le="+Inf",worker="gw@test"}',
+        'weightq_time_per_output_token_seconds_count{worker="gw@test"}',
+        'weightq_requests_finished_total{reason="length",worker="gw@test"}',
+        'weightq_http_requests_total{route="/v1/completions",status="200"}',
+    ):
+        assert name in text, name
