@@ -1,0 +1,219 @@
+"""Offline batch inference: a JSONL file of requests in, a JSONL file of results out.
+
+    weightq batch prompts.jsonl -o results.jsonl
+
+Each input line is a job request (tasks/schema.py: prompt, messages or prompt_token_ids, and
+sampling parameters) with an optional "id" (default: "line-N"). The file is streamed, with at most
+--max-in-flight jobs queued at once, so its size does not matter. Each result is written (and
+flushed) as it completes; a bad line is recorded with its error and the run goes on. Rerunning with
+the same output skips ids already there, so an interrupted run resumes; Ctrl-C cancels the jobs in
+flight and leaves a valid file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from batcher.sim.simulator import percentile
+from tasks.schema import RequestError, parse_request
+
+from .client import Client
+from .streams import job_key, stream_key
+
+
+@dataclass
+class Progress:
+    submitted: int = 0
+    completed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    refused: int = 0  # failed before submission (also counted in failed)
+    tokens: int = 0
+    latencies: list[float] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+    def summary(self) -> dict:
+        elapsed = time.monotonic() - self.started
+        lat = self.latencies
+        return {
+            "requests": self.submitted + self.refused,
+            "completed": self.completed,
+            "failed": self.failed,
+            "skipped": self.skipped,
+            "completion_tokens": self.tokens,
+            "elapsed_s": round(elapsed, 3),
+            "tokens_per_s": round(self.tokens / elapsed, 1) if elapsed > 0 else 0.0,
+            "latency_p50_s": round(percentile(lat, 50), 3) if lat else None,
+            "latency_p99_s": round(percentile(lat, 99), 3) if lat else None,
+        }
+
+
+def done_ids(output: Path) -> set[str]:
+    """Ids already in the output; a torn last line (killed mid-write) is cut off first."""
+    if not output.exists():
+        return set()
+    with open(output, "rb+") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        if size:
+            f.seek(size - 1)
+            if f.read(1) != b"\n":  # find the last newline and truncate after it
+                pos = size - 1
+                while pos > 0:
+                    step = min(65536, pos)
+                    f.seek(pos - step)
+                    chunk = f.read(step)
+                    nl = chunk.rfind(b"\n")
+                    if nl >= 0:
+                        pos = pos - step + nl + 1
+                        break
+                    pos -= step
+                f.truncate(max(pos, 0))
+    ids = set()
+    with open(output, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                ids.add(str(json.loads(line)["id"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return ids
+
+
+def count_lines(path: Path) -> int:
+    n = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            n += chunk.count(b"\n")
+    return n
+
+
+class BatchRun:
+    def __init__(self, client: Client, output: IO[str], *, max_in_flight: int, bar=None) -> None:
+        self.client = client
+        self.out = output
+        self.max_in_flight = max_in_flight
+        self.inflight: dict[str, tuple[str, float]] = {}  # job id -> (line id, submitted at)
+        self.progress = Progress()
+        self.bar = bar
+        self.run_tag = uuid.uuid4().hex[:10]  # job ids are fresh per run: a resumed line never meets its old job
+
+    def write(self, record: dict) -> None:
+        self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.out.flush()
+
+    def fail(self, line_id: str, message: str, field: str | None) -> None:
+        self.progress.failed += 1
+        self.write({"id": line_id, "error": {"message": message, "field": field}})
+        self._tick()
+
+    def submit_lines(self, lines, skip: set[str]) -> None:
+        for n, line in lines:
+            if not line.strip():
+                continue
+            error = None
+            try:
+                req = json.loads(line)
+            except ValueError as e:
+                req, error = None, f"line {n} is not JSON: {e}"
+            line_id = str(req.pop("id", f"line-{n}")) if isinstance(req, dict) else f"line-{n}"
+            if line_id in skip:
+                self.progress.skipped += 1
+                self._tick()
+                continue
+            if error is not None:
+                self.progress.refused += 1
+                self.fail(line_id, error, "line")
+                continue
+            job_id = f"batch-{self.run_tag}-{n}"
+            try:
+                parse_request(req)
+                while len(self.inflight) >= self.max_in_flight:
+                    self.collect(wait=True)
+                self.client.submit(request_id=job_id, **req)
+            except RequestError as e:
+                self.progress.refused += 1
+                self.fail(line_id, str(e), e.field)
+                continue
+            self.inflight[job_id] = (line_id, time.monotonic())
+            self.progress.submitted += 1
+        while self.inflight:
+            self.collect(wait=True)
+
+    def collect(self, wait: bool) -> None:
+        """Record every in-flight job that has ended; with wait, sleep briefly if none has."""
+        ids = list(self.inflight)
+        pipe = self.client.redis.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hmget(job_key(job_id), "state", "result")
+        ended = 0
+        for job_id, (state, result) in zip(ids, pipe.execute(), strict=True):
+            if state not in (b"done", b"cancelled"):
+                continue
+            ended += 1
+            line_id, t0 = self.inflight.pop(job_id)
+            if result is None:
+                message, fld = self._stream_error(job_id)
+                self.fail(line_id, message, fld)
+                continue
+            res = json.loads(result)
+            self.progress.completed += 1
+            self.progress.tokens += res.get("usage", {}).get("completion_tokens", 0)
+            self.progress.latencies.append(time.monotonic() - t0)
+            self.write({"id": line_id, "result": res})
+            self._tick()
+        if wait and not ended:
+            time.sleep(0.05)
+
+    def _stream_error(self, job_id: str) -> tuple[str, str | None]:
+        last = self.client.redis.xrevrange(stream_key(job_id), count=1)
+        if last:
+            fields = {k.decode(): v.decode(errors="replace") for k, v in last[0][1].items()}
+            if fields.get("type") == "error":
+                return fields.get("message", "error"), fields.get("field") or None
+        return "the job ended without a result", None
+
+    def cancel_inflight(self) -> int:
+        n = 0
+        for job_id in list(self.inflight):
+            self.client.job(job_id).cancel()
+            n += 1
+        self.inflight.clear()
+        return n
+
+    def _tick(self) -> None:
+        if self.bar is None:
+            return
+        p = self.progress
+        elapsed = max(time.monotonic() - p.started, 1e-9)
+        self.bar.update(1)
+        self.bar.set_postfix(done=p.completed, failed=p.failed, tok_s=f"{p.tokens / elapsed:.0f}", refresh=False)
+
+
+def run_batch(
+    input_path: Path, output_path: Path, client: Client, *, max_in_flight: int = 256, progress: bool = True
+) -> tuple[dict, bool]:
+    """Returns (summary, interrupted)."""
+    from tqdm import tqdm
+
+    skip = done_ids(output_path)
+    total = count_lines(input_path)
+    bar = tqdm(total=total, unit="req", file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    interrupted = False
+    with open(output_path, "a", encoding="utf-8") as out, open(input_path, encoding="utf-8", errors="replace") as f:
+        run = BatchRun(client, out, max_in_flight=max_in_flight, bar=bar)
+        try:
+            run.submit_lines(enumerate(f, start=1), skip)
+        except KeyboardInterrupt:
+            interrupted = True
+            n = run.cancel_inflight()
+            print(f"\ninterrupted: cancelled {n} jobs in flight; rerun the same command to resume", file=sys.stderr)
+        finally:
+            bar.close()
+    return run.progress.summary(), interrupted

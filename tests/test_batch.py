@@ -1,0 +1,103 @@
+"""`weightq batch`: streamed input, results as they complete, failures recorded, resumable, Ctrl-C safe."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from app.batch import BatchRun, done_ids, run_batch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_requests(path: Path, n: int, max_new_tokens: int = 8) -> None:
+    with open(path, "w") as f:
+        for i in range(n):
+            if i % 5 == 0:
+                rec = {"id": f"q{i}", "messages": [{"role": "user", "content": f"question {i}"}]}
+            else:
+                rec = {"id": f"q{i}", "prompt": f"prompt number {i}:"}
+            f.write(json.dumps(rec | {"max_new_tokens": max_new_tokens}) + "\n")
+
+
+def read_output(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_results_errors_and_resume(service, tmp_path):
+    service.worker().wait_ready()
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_requests(src, 30)
+    with open(src, "a") as f:
+        f.write("{not json\n\nnull\n")
+        f.write(json.dumps({"id": "bad-field", "prompt": "x", "max_new_tokens": -3}) + "\n")
+        f.write(json.dumps({"prompt": "no id given", "max_new_tokens": 4}) + "\n")
+        f.write(json.dumps({"id": "too-long", "prompt_token_ids": [5] * 3000}) + "\n")  # refused by the worker
+    summary, interrupted = run_batch(src, out, service.client, max_in_flight=8, progress=False)
+    assert not interrupted
+    records = {r["id"]: r for r in read_output(out)}
+    assert len(records) == 35 and len(read_output(out)) == 35  # the blank line is no request
+    assert summary["completed"] == 31 and summary["failed"] == 4 and summary["requests"] == 35
+    assert records["line-33"]["error"]["field"] == "request"  # null: JSON, but not an object
+    assert records["bad-field"]["error"]["field"] == "max_new_tokens"
+    assert records["line-31"]["error"]["field"] == "line"
+    assert records["too-long"]["error"]["field"] == "prompt"
+    assert records["line-35"]["result"]["usage"]["completion_tokens"] <= 4
+    assert all(records[f"q{i}"]["result"]["finish_reason"] in ("length", "eos") for i in range(30))
+    assert summary["completion_tokens"] == sum(r["result"]["usage"]["completion_tokens"] for r in records.values()
+                                               if "result" in r)  # fmt: skip
+    # Resume: a torn last line is cut, its id runs again; everything else is skipped.
+    lines = out.read_text().splitlines(keepends=True)
+    torn = json.loads(lines[-1])["id"]
+    out.write_text("".join(lines[:-1]) + lines[-1][:10])
+    summary, _ = run_batch(src, out, service.client, max_in_flight=8, progress=False)
+    assert summary["skipped"] == 34 and summary["requests"] == 1
+    assert [r["id"] for r in read_output(out)].count(torn) == 1 and len(read_output(out)) == 35
+
+
+def test_input_is_streamed_with_bounded_jobs_in_flight(service, tmp_path):
+    service.worker().wait_ready()
+    src = tmp_path / "in.jsonl"
+    write_requests(src, 40, max_new_tokens=4)
+    out = open(tmp_path / "out.jsonl", "w")  # noqa: SIM115
+    run = BatchRun(service.client, out, max_in_flight=6)
+
+    def lines():
+        with open(src) as f:
+            for n, line in enumerate(f, start=1):
+                # Reading line n means at most 6 jobs are queued: the rest of the file is not in memory.
+                assert len(run.inflight) <= 6 and n - 1 - run.progress.completed <= 6
+                yield n, line
+
+    run.submit_lines(lines(), set())
+    out.close()
+    assert run.progress.completed == 40 and not run.inflight
+
+
+def test_ctrl_c_leaves_a_valid_file_and_a_rerun_finishes(service, tmp_path):
+    service.worker().wait_ready()
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_requests(src, 80, max_new_tokens=48)
+    cmd = [sys.executable, "-m", "app.cli", "batch", str(src), "-o", str(out), "--max-in-flight", "16", "--json"]
+    env = dict(os.environ, REDIS_URL=service.url)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not out.exists() or len(out.read_text().splitlines()) < 5:
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else ""
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stderr
+    first = read_output(out)  # every line parses
+    assert 5 <= len(first) < 80
+    summary = json.loads(subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout)
+    assert summary["skipped"] == len(first) and summary["failed"] == 0
+    ids = [r["id"] for r in read_output(out)]
+    assert sorted(ids) == sorted(f"q{i}" for i in range(80))  # each exactly once
+    assert done_ids(out) == set(ids)

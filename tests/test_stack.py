@@ -1,0 +1,71 @@
+"""`weightq up` and `weightq demo` as a user runs them: subprocesses, embedded Redis, Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import redis
+
+from app.redis_server import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def clean_env(home: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "API_KEY")}
+    return env | {"WEIGHTQ_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+
+
+def test_demo_runs_the_whole_stack_and_exits_cleanly(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "app.cli", "demo"], cwd=ROOT, env=clean_env(tmp_path), capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    for expected in ("embedded Redis", "one chat completion", "200 requests: 200 completed, 0 failed", "engine:"):
+        assert expected in out, out
+    assert len((tmp_path / "demo" / "results.jsonl").read_text().splitlines()) == 200
+    url = (tmp_path / "redis" / "url").read_text().strip()
+    try:
+        redis.Redis.from_url(url, socket_timeout=1).ping()
+        raise AssertionError("the demo left its Redis running")
+    except redis.ConnectionError:
+        pass
+
+
+def test_up_serves_until_ctrl_c_then_stops_everything(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "up", "--port", str(port)], cwd=ROOT, env=clean_env(tmp_path),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "timeout"
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    r = httpx.post(base + "/v1/completions", json={"prompt": "hello", "max_tokens": 5}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C does to the foreground process
+    out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0, out
+    assert "stopping" in out
+    url = (tmp_path / "redis" / "url").read_text().strip()
+    for probe in (lambda: httpx.get(base + "/health", timeout=1), lambda: redis.Redis.from_url(url).ping()):
+        try:
+            probe()
+            raise AssertionError("something still answers after Ctrl-C")
+        except (httpx.TransportError, redis.ConnectionError):
+            pass
