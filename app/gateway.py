@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import redis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from kombu.exceptions import OperationalError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from tasks.schema import RequestError
@@ -265,6 +266,12 @@ def create_app(settings: Settings | None = None, url: str | None = None) -> Fast
     @app.exception_handler(JobError)
     async def on_job_error(request: Request, e: JobError) -> Response:
         return error_response(request.url.path, HTTPError(e.status, str(e), e.field))
+
+    @app.exception_handler(redis.RedisError)
+    @app.exception_handler(OperationalError)
+    async def on_broker_down(request: Request, e: Exception) -> Response:
+        log.warning("queue unavailable: %s", e)
+        return error_response(request.url.path, HTTPError(503, f"queue unavailable: {e}", None, "unavailable"))
 
     openai_api_routes(app, gw)
     tgi_api.routes(app, gw, sse)

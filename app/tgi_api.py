@@ -25,7 +25,9 @@ FINISH = {"eos": "eos_token", "stop": "stop_sequence", "length": "length", "canc
 
 
 def error_type(status: int) -> str:
-    return {400: "validation", 413: "validation", 422: "validation", 429: "overloaded"}.get(status, "generation")
+    return {400: "validation", 413: "validation", 422: "validation", 429: "overloaded", 503: "overloaded"}.get(
+        status, "generation"
+    )
 
 
 def _refuse_unless(params: dict, name: str, allowed: tuple) -> None:

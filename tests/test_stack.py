@@ -41,9 +41,10 @@ def test_demo_runs_the_whole_stack_and_exits_cleanly(tmp_path):
 
 
 def test_up_serves_until_ctrl_c_then_stops_everything(tmp_path):
-    port = free_port()
+    port, flower_port = free_port(), free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "up", "--port", str(port)], cwd=ROOT, env=clean_env(tmp_path),
+        [sys.executable, "-m", "app.cli", "up", "--port", str(port), "--flower", "--flower-port", str(flower_port)],
+        cwd=ROOT, env=clean_env(tmp_path),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
@@ -58,12 +59,28 @@ def test_up_serves_until_ctrl_c_then_stops_everything(tmp_path):
         time.sleep(0.2)
     r = httpx.post(base + "/v1/completions", json={"prompt": "hello", "max_tokens": 5}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+    flower = f"http://127.0.0.1:{flower_port}"
+    while True:  # Flower lists the worker (its API open here: no FLOWER_BASIC_AUTH in this environment)
+        try:
+            workers = httpx.get(flower + "/api/workers?refresh=1", timeout=10).json()
+            if workers:
+                break
+        except (httpx.TransportError, ValueError):
+            pass
+        assert time.monotonic() < deadline, "flower never listed the worker"
+        time.sleep(0.3)
+    assert any("weightq" in name for name in workers)
     proc.send_signal(signal.SIGINT)  # what Ctrl-C does to the foreground process
     out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 0, out
     assert "stopping" in out
     url = (tmp_path / "redis" / "url").read_text().strip()
-    for probe in (lambda: httpx.get(base + "/health", timeout=1), lambda: redis.Redis.from_url(url).ping()):
+    probes = (
+        lambda: httpx.get(base + "/health", timeout=1),
+        lambda: httpx.get(flower + "/healthcheck", timeout=1),
+        lambda: redis.Redis.from_url(url).ping(),
+    )
+    for probe in probes:
         try:
             probe()
             raise AssertionError("something still answers after Ctrl-C")
