@@ -204,10 +204,13 @@ class Engine:
                 self.cache.ensure(seq.block_table, req.prefilled + 1)
             decode.append(Work(seq, req.prefilled, 1, True))
         model_before = self.runner.model_s
-        logits = self.runner.forward(prefill, decode)
+        try:
+            logits = self.runner.forward(prefill, decode)
+        except Exception as e:
+            logits = self._isolate(prefill, decode, e)
         fwd = self.runner.model_s - model_before
         emitted = [seqs[r.id] for r in self.batcher.complete(plan)]
-        tokens = sample(logits, emitted, self._generator)
+        tokens = sample(logits, emitted, self._generator) if emitted else []
         done = time.monotonic()
         eos = self.lm.eos_token_ids
         # One detokenizer pass for every token that has text; None marks an EOS that ends its request.
@@ -335,6 +338,25 @@ class Engine:
                 error=error,
             )
         )
+
+    def _isolate(self, prefill: list[Work], decode: list[Work], error: Exception) -> torch.Tensor:
+        """The packed forward failed: run each sequence's work alone, fail the ones that still fail
+        (their blocks go back to the pool) and return the others' logits in the packed order, so one
+        bad request never takes the batch down. Rerunning rewrites the same KV slots with the same values."""
+        log.warning("forward over %d sequences failed (%r); isolating", len(prefill) + len(decode), error)
+        rows: list[torch.Tensor] = []
+        for work, alone in [(w, ([w], [])) for w in prefill] + [(w, ([], [w])) for w in decode]:
+            try:
+                out = self.runner.forward(*alone)
+            except Exception as e:
+                log.warning("request %s fails the forward pass: %r", work.seq.id, e)
+                self._finish(work.seq, "error", f"the model failed on this request: {e!r}")
+                continue
+            if work.emits:
+                rows.append(out)
+        if not rows:
+            return torch.empty(0, 0)
+        return torch.cat(rows)
 
     def _error_event(self, rid: str, message: str, prompt_tokens: int, since: float) -> FinishEvent:
         return FinishEvent(rid, "error", "", (), prompt_tokens, 0, 0.0, 0.0, time.monotonic() - since, message)

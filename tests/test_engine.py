@@ -305,3 +305,27 @@ def test_kv_capacity_derivation(tiny_loaded):
     assert sized.batcher.budget == 3 * 112  # 100 tokens round up to 7 blocks of 16
     with pytest.raises(ConfigError, match=r"below the weight of one max-length request.*KV cache"):
         Engine(EngineConfig(max_batch_weight=256, max_total_tokens=672), loaded=tiny_loaded)
+
+
+def test_a_request_that_breaks_the_forward_fails_alone(tiny_loaded, reference_model):
+    """A forward pass that raises for one request's input (here: a 'poison' token id in its prompt)
+    fails that request with the error; the others finish exactly as without it; the pool is intact."""
+    poison = 1099
+    reqs = [r for r in mixed_requests(12, seed=7, max_prompt=64, max_new=48) if poison not in r.prompt_token_ids]
+    bad = GenerationRequest("bad", prompt_token_ids=[11, 12, poison, 13], params=SamplingParams(max_new_tokens=8))
+
+    def guard(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and (ids == poison).any():
+            raise RuntimeError("poisoned input")
+
+    hook = tiny_loaded.model.register_forward_pre_hook(guard, with_kwargs=True)
+    try:
+        engine = Engine(EngineConfig(max_batch_weight=8192, check_invariants=True), loaded=tiny_loaded)
+        results = engine.generate([*reqs[:6], bad, *reqs[6:]])
+    finally:
+        hook.remove()
+    by_id = {r.request_id: r for r in results}
+    assert by_id["bad"].reason == "error" and "poisoned input" in by_id["bad"].error
+    assert_greedy_equal(reference_model, reqs, [by_id[r.id] for r in reqs])
+    assert engine.cache.used_blocks == 0 and not engine.batcher.running
