@@ -25,7 +25,7 @@ from batcher.sim.simulator import percentile
 from tasks.schema import RequestError, parse_request
 
 from .client import Client
-from .streams import job_key, stream_key
+from .streams import job_key
 
 
 @dataclass
@@ -151,16 +151,16 @@ class BatchRun:
         ids = list(self.inflight)
         pipe = self.client.redis.pipeline(transaction=False)
         for job_id in ids:
-            pipe.hmget(job_key(job_id), "state", "result")
+            pipe.hmget(job_key(job_id), "state", "result", "error", "field")
         ended = 0
-        for job_id, (state, result) in zip(ids, pipe.execute(), strict=True):
+        for job_id, (state, result, error, fld) in zip(ids, pipe.execute(), strict=True):
             if state not in (b"done", b"cancelled"):
                 continue
             ended += 1
             line_id, t0 = self.inflight.pop(job_id)
             if result is None:
-                message, fld = self._stream_error(job_id)
-                self.fail(line_id, message, fld)
+                message = error.decode(errors="replace") if error else "the job ended without a result"
+                self.fail(line_id, message, fld.decode() if fld else None)
                 continue
             res = json.loads(result)
             self.progress.completed += 1
@@ -170,14 +170,6 @@ class BatchRun:
             self._tick()
         if wait and not ended:
             time.sleep(0.05)
-
-    def _stream_error(self, job_id: str) -> tuple[str, str | None]:
-        last = self.client.redis.xrevrange(stream_key(job_id), count=1)
-        if last:
-            fields = {k.decode(): v.decode(errors="replace") for k, v in last[0][1].items()}
-            if fields.get("type") == "error":
-                return fields.get("message", "error"), fields.get("field") or None
-        return "the job ended without a result", None
 
     def cancel_inflight(self) -> int:
         n = 0

@@ -259,7 +259,18 @@ def cmd_gateway(args: argparse.Namespace) -> int:
             "`Authorization: Bearer <key>`), bind 127.0.0.1, or pass --allow-insecure"
         )
     url = ensure_redis(settings)
-    uvicorn.run(create_app(settings, url), host=host, port=port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    app = create_app(settings, url)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=host, port=port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    )
+    stop = server.handle_exit
+
+    def handle_exit(sig, frame) -> None:  # a restart is not every client hanging up: keep their jobs
+        app.state.gateway.shutting_down = True
+        stop(sig, frame)
+
+    server.handle_exit = handle_exit  # type: ignore[method-assign]
+    server.run()
     return 0
 
 

@@ -15,6 +15,7 @@ import contextlib
 import hmac
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -24,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kombu.exceptions import OperationalError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
-from tasks.schema import RequestError
+from tasks.schema import ID_PATTERN, RequestError
 
 from . import openai_api, tgi_api
 from .client import Client
@@ -32,10 +33,12 @@ from .http_errors import HTTPError, JobError
 from .hub import StreamHub
 from .metrics import HEARTBEATS, WorkerCollector, live_workers
 from .settings import Settings
+from .streams import job_key
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 T = TypeVar("T")
+STREAM_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
 
 
 class Gateway:
@@ -47,6 +50,7 @@ class Gateway:
         self.client = Client(self.url, settings=settings)
         self.model = settings.served_model_name or settings.model
         self.version = VERSION
+        self.shutting_down = False
         self.hub: StreamHub | None = None
         self.registry = CollectorRegistry()
         self.http_requests = Counter(
@@ -104,7 +108,10 @@ class Gateway:
         return j.id
 
     def cancel_soon(self, job_id: str) -> None:
-        """Cancel from a worker thread: also safe inside a cancelled task's cleanup."""
+        """Cancel from a worker thread: also safe inside a cancelled task's cleanup. Not while the
+        gateway shuts down: its clients' jobs go on, and a client may resume with Last-Event-ID."""
+        if self.shutting_down:
+            return
         loop = asyncio.get_running_loop()
         loop.run_in_executor(None, self._cancel, job_id)
 
@@ -168,11 +175,25 @@ class Gateway:
             task.cancel()
             raise
 
+    async def start(self, request: Request, job: dict, streaming: bool) -> tuple[str, str]:
+        """(job id, stream position): a new job, or, for a stream re-requested with `Last-Event-ID:
+        <job id>/<entry id>` (the SSE ids we send), the same job from where the client left off."""
+        resume = request.headers.get("last-event-id")
+        if not resume or not streaming:
+            return await self.submit(job), "0-0"
+        job_id, _, last_id = resume.partition("/")
+        if not ID_PATTERN.match(job_id) or not STREAM_ID.match(last_id):
+            raise HTTPError(400, "Last-Event-ID must be '<job id>/<entry id>' as sent in the stream", "Last-Event-ID")
+        if not await asyncio.to_thread(self.client.redis.exists, job_key(job_id)):
+            raise HTTPError(404, f"job {job_id} is unknown or expired", "Last-Event-ID", "not_found_error")
+        return job_id, last_id
+
     async def stream(
-        self, job_id: str, first_chunk: Callable[[], list[str]], chunks: Callable[[str, dict], list[str]]
+        self, job_id: str, chunks: Callable[[str, dict], list[str]], last_id: str = "0-0"
     ) -> StreamingResponse:
-        """An SSE response; the first entry is read before answering so a refused job is a 4xx."""
-        events = self.events(job_id)
+        """An SSE response whose event ids are `<job id>/<entry id>`; the first entry is read before
+        answering, so a job the worker refuses is still a 4xx."""
+        events = self.events(job_id, last_id)
         try:
             entry_id, fields = await anext(events)
             while fields.get("type") == "attempt":
@@ -181,7 +202,7 @@ class Gateway:
             await events.aclose()
             self.cancel_soon(job_id)
             raise
-        if fields.get("type") == "error":
+        if fields.get("type") == "error" and last_id == "0-0":
             await events.aclose()
             raise JobError(fields)
 
@@ -189,12 +210,10 @@ class Gateway:
             finished = False
             self.streams_open.inc()
             try:
-                for line in first_chunk():
-                    yield line
                 current = (entry_id, fields)
                 while True:
                     eid, f = current
-                    for line in chunks(eid, f):
+                    for line in chunks(f"{job_id}/{eid}", f):
                         yield line
                     if f.get("type") in ("end", "error"):
                         finished = True
@@ -325,12 +344,12 @@ def openai_api_routes(app: FastAPI, gw: Gateway) -> None:
     async def completions(request: Request, chat: bool) -> Response:
         body = await gw.body(request)
         job = openai_api.chat_job(body, gw.model) if chat else openai_api.completion_job(body, gw.model)
-        job_id = await gw.submit(job)
+        job_id, last_id = await gw.start(request, job, bool(body.get("stream")))
         if not body.get("stream"):
             result = await gw.result(request, job_id)
             return JSONResponse(openai_api.completion_response(job_id, gw.model, result, chat=chat))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        writer = openai_api.ChunkWriter(job_id, gw.model, chat=chat)
+        writer = openai_api.ChunkWriter(job_id, gw.model, chat=chat, resumed=last_id != "0-0")
 
         def chunks(entry_id: str, f: dict) -> list[str]:
             kind = f.get("type")
@@ -347,7 +366,7 @@ def openai_api_routes(app: FastAPI, gw: Gateway) -> None:
                 return [sse(err, entry_id), sse("[DONE]")]
             return []
 
-        return await gw.stream(job_id, list, chunks)
+        return await gw.stream(job_id, chunks, last_id)
 
     @app.post("/v1/completions")
     async def completion(request: Request) -> Response:

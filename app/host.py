@@ -25,7 +25,7 @@ from engine import Engine, GenerationRequest
 from tasks.schema import JobSpec, RequestError
 
 from .settings import Settings
-from .streams import BEGIN, CANCEL_CHANNEL, cancelled_result, job_key, result_dict, stream_key
+from .streams import BEGIN, CANCEL_CHANNEL, cancelled_result, field_of, job_key, result_dict, stream_key
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,8 @@ class WorkerHost:
         self.redis = client
         self.hostname = hostname
         self.active: dict[str, float] = {}  # job id -> start time, for jobs inside the engine
+        self._tags: dict[str, str] = {}  # job id -> its message's delivery tag (for lease renewal)
+        self._runs: dict[str, threading.Event] = {}  # job id -> set when its run here ends
         self._lock = threading.Lock()
         self._begin = client.register_script(BEGIN)
         self._stop = threading.Event()
@@ -49,7 +51,27 @@ class WorkerHost:
         self.consumer = None  # set once Celery's consumer exists (for leases and prefetch)
 
     # ----- task side ----------------------------------------------------------------------------
-    def run(self, job_id: str, spec: JobSpec) -> dict:
+    def run(self, job_id: str, spec: JobSpec, delivery_tag: str | None = None) -> dict:
+        with self._lock:
+            original = self._runs.get(job_id)
+            if original is None:
+                self._runs[job_id] = finished = threading.Event()
+        if original is not None:
+            # A second delivery of a job this worker is running (a restored message after a broker
+            # reconnect): never run it twice; answer with the first run's outcome.
+            original.wait()
+            stored = self.redis.hget(job_key(job_id), "result")
+            if stored is None:
+                raise GenerationFailed(f"job {job_id} failed in its first run on {self.hostname}")
+            return json.loads(stored)
+        try:
+            return self._run(job_id, spec, delivery_tag)
+        finally:
+            with self._lock:
+                self._runs.pop(job_id, None)
+            finished.set()
+
+    def _run(self, job_id: str, spec: JobSpec, delivery_tag: str | None) -> dict:
         s = self.settings
         attempt, stored = self._begin(
             keys=[job_key(job_id), stream_key(job_id)], args=[s.stream_maxlen, 86_400, s.result_ttl_s]
@@ -63,17 +85,21 @@ class WorkerHost:
         self.engine.sink.annotations[job_id] = extra
         with self._lock:
             self.active[job_id] = time.monotonic()
+            if delivery_tag:
+                self._tags[job_id] = delivery_tag
         try:
             final = self.engine.submit(request).result()
         finally:
             with self._lock:
                 self.active.pop(job_id, None)
+                self._tags.pop(job_id, None)
         if final.reason == "cancelled" and self.shutting_down:
             self.redis.hset(job_key(job_id), "state", "queued")
             raise Reject(f"worker {self.hostname} shutting down: job {job_id} goes back to the queue", requeue=True)
         if final.reason == "error":
-            self._done(job_id, None)
-            raise GenerationFailed(final.error)
+            message = final.error or "error"
+            self._done(job_id, None, {"error": message, "field": field_of(message)})
+            raise GenerationFailed(message)
         result = result_dict(final) | extra
         self._done(job_id, result)
         return result
@@ -89,13 +115,14 @@ class WorkerHost:
             approximate=True,
         )
         pipe.expire(stream_key(job_id), s.stream_ttl_s)
-        pipe.hset(job_key(job_id), mapping={"state": "done"})
+        pipe.hset(job_key(job_id), mapping={"state": "done", "error": str(error), "field": error.field})
         pipe.expire(job_key(job_id), s.result_ttl_s)
         pipe.execute()
 
-    def _done(self, job_id: str, result: dict | None) -> None:
+    def _done(self, job_id: str, result: dict | None, error: dict[str, str] | None = None) -> None:
+        """The job hash's final state: its result, or its error (so a poller never needs the stream)."""
         cancelled = result is not None and result.get("finish_reason") == "cancelled"
-        mapping = {"state": "cancelled" if cancelled else "done"}
+        mapping = {"state": "cancelled" if cancelled else "done", **(error or {})}
         if result is not None:
             mapping["result"] = json.dumps(result)
         pipe = self.redis.pipeline(transaction=False)
@@ -154,17 +181,21 @@ class WorkerHost:
                 self.redis.zadd("unacked_index", dict.fromkeys(tags, now), xx=True)
 
     def _delivered_tags(self) -> list[str]:
+        """Tags of the messages this worker holds: its running jobs' own (they outlive a broker
+        reconnect, which gives the consumer a fresh channel) and what the channel has delivered."""
+        with self._lock:
+            tags = set(self._tags.values())
         consumer = self.consumer
         try:
             delivered = consumer.task_consumer.channel.qos._delivered  # kombu's virtual QoS
         except AttributeError:
-            return []
+            return list(tags)
         for _ in range(3):
             try:
-                return list(delivered)
+                return list(tags.union(delivered))
             except RuntimeError:  # changed size during iteration: another thread acked
                 continue
-        return []
+        return list(tags)
 
     def _prefetch_loop(self) -> None:
         while not self._stop.wait(0.05):

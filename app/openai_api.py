@@ -132,7 +132,7 @@ def response_id(job_id: str, chat: bool) -> str:
 class ChunkWriter:
     """Builds the streamed chunks of one response, in OpenAI's format."""
 
-    def __init__(self, job_id: str, model: str, *, chat: bool) -> None:
+    def __init__(self, job_id: str, model: str, *, chat: bool, resumed: bool = False) -> None:
         self.base = {
             "id": response_id(job_id, chat),
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -140,7 +140,7 @@ class ChunkWriter:
             "model": model,
         }
         self.chat = chat
-        self.started = False
+        self.started = resumed  # a resumed stream already had its first (role-bearing) chunk
 
     def delta(self, text: str) -> dict:
         if self.chat:

@@ -126,7 +126,7 @@ class StreamPublisher:
                 if self.requeueing and ev.reason == "cancelled":
                     continue
                 if ev.reason == "error":
-                    fields = {"type": "error", "message": ev.error or "error", "field": _field_of(ev.error)}
+                    fields = {"type": "error", "message": ev.error or "error", "field": field_of(ev.error)}
                 else:
                     result = result_dict(ev) | extra
                     fields = {"type": "end", "reason": ev.reason, "result": json.dumps(result)}
@@ -138,7 +138,7 @@ class StreamPublisher:
         pipe.execute()
 
 
-def _field_of(message: str | None) -> str:
+def field_of(message: str | None) -> str:
     head = (message or "").split(":", 1)[0]
     return head if head.isidentifier() else ""
 

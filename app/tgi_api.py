@@ -117,9 +117,9 @@ def routes(app: FastAPI, gw: Gateway, sse) -> None:
             out["details"] = details(result, tokens, params.get("seed"))
         return JSONResponse([out] if as_list else out)
 
-    async def generate_stream(body: dict) -> Response:
+    async def generate_stream(request: Request, body: dict) -> Response:
         job, params = job_request(body)
-        job_id = await gw.submit(job)
+        job_id, last_id = await gw.start(request, job, True)
         want_details = bool(params.get("details"))
         prefix = job["prompt"] if params.get("return_full_text") else ""
 
@@ -140,7 +140,7 @@ def routes(app: FastAPI, gw: Gateway, sse) -> None:
                 return [sse({"error": f.get("message", "error"), "error_type": "generation"}, entry_id)]
             return []
 
-        return await gw.stream(job_id, list, chunks)
+        return await gw.stream(job_id, chunks, last_id)
 
     @app.post("/generate")
     async def generate_route(request: Request) -> Response:
@@ -148,14 +148,14 @@ def routes(app: FastAPI, gw: Gateway, sse) -> None:
 
     @app.post("/generate_stream")
     async def generate_stream_route(request: Request) -> Response:
-        return await generate_stream(await gw.body(request))
+        return await generate_stream(request, await gw.body(request))
 
     @app.post("/")
     async def compat_route(request: Request) -> Response:
         """Where the `text_generation` client posts: streaming or not by the body's `stream` flag."""
         body = await gw.body(request)
         if isinstance(body, dict) and body.get("stream"):
-            return await generate_stream(body)
+            return await generate_stream(request, body)
         return await generate(request, body, as_list=True)
 
     @app.get("/info")

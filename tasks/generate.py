@@ -25,4 +25,5 @@ def generate(self, request: dict) -> dict:
     except RequestError as e:
         host.fail(self.request.id, e)
         raise
-    return host.run(self.request.id, spec)
+    tag = (self.request.delivery_info or {}).get("delivery_tag")
+    return host.run(self.request.id, spec, tag)

@@ -185,3 +185,41 @@ def test_metrics_cover_the_workers_engines(stack):
         'weightq_http_requests_total{route="/v1/completions",status="200"}',
     ):
         assert name in text, name
+
+
+def test_a_client_resumes_its_stream_on_a_restarted_gateway(stack, redis_url, tmp_path):
+    first = GatewayProcess(redis_url, tmp_path, api_key=KEY).wait_ready()
+    body = {"prompt": "The scheduler admits", "max_tokens": 400, "ignore_eos": True, "stream": True, "temperature": 0}
+    seen, last_id, job_id = "", None, None
+    with httpx.stream("POST", first.base + "/v1/completions", json=body, headers=stack.headers, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("id: "):
+                last_id = line[4:]
+            elif line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                job_id = chunk["id"].removeprefix("cmpl-")
+                seen += chunk["choices"][0]["text"]
+                if len(seen) > 20:
+                    break
+        first.stop()  # a restart (SIGTERM) while the client still listens: the job must go on
+    assert last_id.startswith(job_id + "/")
+    second = GatewayProcess(redis_url, tmp_path, api_key=KEY).wait_ready()
+    try:
+        headers = stack.headers | {"Last-Event-ID": last_id}
+        rest, done = "", False
+        with httpx.stream("POST", second.base + "/v1/completions", json=body, headers=headers, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    assert chunk["id"] == f"cmpl-{job_id}"  # the same job, not a new one
+                    rest += chunk["choices"][0]["text"]
+        assert done
+        result = json.loads(redis.Redis.from_url(redis_url).hget(job_key(job_id), "result"))
+        assert result["usage"]["completion_tokens"] == 400 and seen + rest == result["text"]
+        bad = httpx.post(second.base + "/v1/completions", json=body, headers=stack.headers | {"Last-Event-ID": "x"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "Last-Event-ID"
+    finally:
+        second.stop()
