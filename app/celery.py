@@ -31,6 +31,10 @@ def celery_config(s: Settings) -> dict:
             "unacked_restore_throttle": 1,
         },
         "broker_connection_retry_on_startup": True,
+        "broker_connection_max_retries": None,  # a Redis restart is waited out, however long
+        # kombu's Redis transport without the restore-on-close that crashed the consumer after a
+        # Redis crash (see app/transport.py); rediss:// and unix sockets keep kombu's own.
+        **({"broker_transport": "app.transport:Transport"} if url.startswith("redis://") else {}),
         "result_expires": s.result_ttl_s,
         "result_extended": True,
         "task_track_started": False,  # Flower sees "started" through events; skip the extra backend write

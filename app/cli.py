@@ -187,7 +187,7 @@ def ensure_redis(settings) -> str:
             return url
         except redis.RedisError:
             pass
-    server = EmbeddedRedis(settings.home / "redis")
+    server = EmbeddedRedis(settings.home / "redis", appendfsync=settings.redis_appendfsync)
     url = server.start()
     url_file.write_text(url)
     print(f"weightq: started the embedded Redis at {url} (data in {server.data_dir}); set REDIS_URL to use another")
@@ -213,6 +213,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
         settings.queue,
         "-l",
         args.loglevel,
+        # Gossip and mingle exchange worker state we keep in Redis ourselves; gossip also failed to
+        # restart after a broker reconnect (Celery 5.7), leaving the consumer stuck.
+        "--without-gossip",
+        "--without-mingle",
     ]
     if settings.task_events:
         argv.append("-E")

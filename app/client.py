@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ import redis
 from tasks.schema import parse_request
 
 from .settings import Settings
-from .streams import CANCEL, CANCEL_CHANNEL, cancelled_result, job_key, stream_key
+from .streams import CANCEL, CANCEL_CHANNEL, QUEUED, cancelled_result, job_key, stream_key
 
 TASK_NAME = "weightq.generate"
 END_TYPES = ("end", "error")
@@ -69,7 +70,11 @@ class Job:
         waited = 0.0
         while True:
             block_ms = 1000
-            resp = r.xread({key: last_id}, count=512, block=block_ms)
+            try:
+                resp = r.xread({key: last_id}, count=512, block=block_ms)
+            except redis.ConnectionError:  # Redis restarting: the stream is durable, read on once it is back
+                time.sleep(block_ms / 1000)
+                resp = None
             if not resp:
                 waited += block_ms / 1000
                 if timeout is not None and waited >= timeout:
@@ -113,9 +118,10 @@ class Job:
         end = json.dumps(cancelled_result(self.id))
         state = self.client.redis.eval(
             CANCEL,
-            2,
+            3,
             job_key(self.id),
             stream_key(self.id),
+            QUEUED,
             s.stream_maxlen,
             s.stream_ttl_s,
             end,
@@ -181,9 +187,16 @@ class Client:
             request["request_id"] = request_id
         parse_request(request)
         job_id = request_id or uuid.uuid4().hex
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hsetnx(job_key(job_id), "state", "queued")
-        pipe.expire(job_key(job_id), self.settings.result_ttl_s)
+        now = time.time()
+        key = job_key(job_id)
+        # The request is kept with the job so that a worker can re-send a job whose message a Redis
+        # crash lost (see WorkerHost.recover_lost_jobs); a known id keeps its state and request.
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hsetnx(key, "state", "queued")
+        pipe.hsetnx(key, "request", json.dumps(request))
+        pipe.hsetnx(key, "queued_at", repr(now))
+        pipe.expire(key, self.settings.result_ttl_s)
+        pipe.zadd(QUEUED, {job_id: now}, nx=True)
         pipe.execute()
         self.app.send_task(TASK_NAME, args=[request], task_id=job_id, queue=self.settings.queue)
         return Job(self, job_id)

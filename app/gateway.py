@@ -31,9 +31,10 @@ from . import openai_api, tgi_api
 from .client import Client
 from .http_errors import HTTPError, JobError
 from .hub import StreamHub
+from .limits import ClientLimits, retry_after
 from .metrics import HEARTBEATS, WorkerCollector, live_workers
 from .settings import Settings
-from .streams import job_key
+from .streams import DEAD, job_key
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -51,6 +52,8 @@ class Gateway:
         self.model = settings.served_model_name or settings.model
         self.version = VERSION
         self.shutting_down = False
+        self.keys = [k.strip().encode() for k in settings.api_key.split(",") if k.strip()]
+        self.limits = ClientLimits(settings.max_concurrent_per_client, settings.rate_limit_per_s, settings.rate_burst)
         self.hub: StreamHub | None = None
         self.registry = CollectorRegistry()
         self.http_requests = Counter(
@@ -60,6 +63,9 @@ class Gateway:
             "weightq_http_streams_open", "Streaming responses in progress", registry=self.registry
         )
         self.registry.register(WorkerCollector(self.workers))
+        dead = Gauge("weightq_dead_letters", "Jobs dead-lettered after too many attempts (weightq:dead)",
+                     registry=self.registry)  # fmt: skip
+        dead.set_function(lambda: self._llen(DEAD))
 
     # ----- plumbing -----------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -72,21 +78,33 @@ class Gateway:
         finally:
             await self.hub.close()
 
+    def _llen(self, key: str) -> float:
+        try:
+            return float(self.client.redis.llen(key))
+        except redis.RedisError:
+            return float("nan")
+
     def workers(self) -> dict[str, dict]:
         try:
             return live_workers(self.client.redis.hgetall(HEARTBEATS))
         except redis.RedisError:
             return {}
 
-    def check_key(self, authorization: str) -> None:
-        key = self.settings.api_key
-        if not key:
-            return
+    def check_key(self, authorization: str) -> str | None:
+        """The caller's key (None when the gateway has none); every key is compared in constant time."""
+        if not self.keys:
+            return None
         scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        given = token.strip().encode()
+        matched = None
+        for key in self.keys:  # no early exit: the time taken says nothing about which key was close
+            if hmac.compare_digest(given, key) and scheme.lower() == "bearer":
+                matched = key.decode()
+        if matched is None:
             raise HTTPError(
                 401, "missing or wrong API key (send Authorization: Bearer <key>)", None, "authentication_error"
             )
+        return matched
 
     async def body(self, request: Request) -> Any:
         limit = self.settings.max_body_bytes
@@ -250,16 +268,26 @@ class Guard:
                 status = message["status"]
             await send(message)
 
+        client = None
         try:
             if path not in self.OPEN:
                 auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
                 try:
-                    self.gw.check_key(auth)
+                    key = self.gw.check_key(auth)
+                    if scope["method"] == "POST":  # generation routes: limited per client
+                        who = f"key:{key}" if key else f"addr:{(scope.get('client') or ('?',))[0]}"
+                        wait = self.gw.limits.acquire(who)
+                        if wait is not None:
+                            raise HTTPError(429, f"too many requests; retry in {wait:.1f} s", None, "rate_limit_error",
+                                            retry_after(wait))  # fmt: skip
+                        client = who
                 except HTTPError as e:
                     await error_response(path, e)(scope, receive, send_status)
                     return
             await self.app(scope, receive, send_status)
         finally:
+            if client is not None:
+                self.gw.limits.release(client)
             self.gw.http_requests.labels(path if path in KNOWN_ROUTES else "other", str(status)).inc()
 
 
@@ -325,7 +353,9 @@ KNOWN_ROUTES = {
 
 
 def error_response(route: str, e: HTTPError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
+    if e.retry_after:
+        headers["Retry-After"] = e.retry_after
     if route.startswith("/v1/"):
         body: dict = {"error": {"message": e.message, "type": e.kind, "param": e.field, "code": None}}
     else:  # TGI's shape: {"error", "error_type"}

@@ -7,7 +7,10 @@ loops keep the worker honest:
   - leases: the worker re-stamps its in-flight messages in kombu's `unacked_index`, so only a
     dead worker's jobs outlive the visibility timeout and are redelivered;
   - backpressure: the consumer's prefetch follows what the engine could admit soon, so several
-    workers on one queue share it and none hoards jobs it cannot start.
+    workers on one queue share it and none hoards jobs it cannot start;
+  - recovery: kombu's Redis transport can lose a message that a Redis crash catches between
+    delivery and bookkeeping; jobs still queued long after later ones started, and found neither in
+    the queue nor among the unacked messages (twice, a sweep apart), are sent again.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import redis
 from celery.exceptions import Reject
@@ -25,13 +30,31 @@ from engine import Engine, GenerationRequest
 from tasks.schema import JobSpec, RequestError
 
 from .settings import Settings
-from .streams import BEGIN, CANCEL_CHANNEL, cancelled_result, field_of, job_key, result_dict, stream_key
+from .streams import (
+    BEGIN,
+    CANCEL_CHANNEL,
+    DEAD,
+    FAIL,
+    QUEUED,
+    STARTED_HW,
+    cancelled_result,
+    field_of,
+    job_key,
+    result_dict,
+    stream_key,
+)
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+TASK_NAME = "weightq.generate"
 
 
 class GenerationFailed(RuntimeError):
     """The engine could not generate for this job (the message says why)."""
+
+
+class DeadLettered(RuntimeError):
+    """The job was started too many times without finishing; it is in the weightq:dead list."""
 
 
 class WorkerHost:
@@ -45,10 +68,13 @@ class WorkerHost:
         self._runs: dict[str, threading.Event] = {}  # job id -> set when its run here ends
         self._lock = threading.Lock()
         self._begin = client.register_script(BEGIN)
+        self._fail = client.register_script(FAIL)
         self._stop = threading.Event()
         self.shutting_down = False
         self._threads: list[threading.Thread] = []
         self.consumer = None  # set once Celery's consumer exists (for leases and prefetch)
+        self.app = None  # the Celery app (to re-send lost jobs)
+        self._suspects: set[str] = set()  # lost-looking jobs seen by the last sweep
 
     # ----- task side ----------------------------------------------------------------------------
     def run(self, job_id: str, spec: JobSpec, delivery_tag: str | None = None) -> dict:
@@ -73,11 +99,17 @@ class WorkerHost:
 
     def _run(self, job_id: str, spec: JobSpec, delivery_tag: str | None) -> dict:
         s = self.settings
-        attempt, stored = self._begin(
-            keys=[job_key(job_id), stream_key(job_id)], args=[s.stream_maxlen, 86_400, s.result_ttl_s]
+        attempt, stored = self._retrying(
+            lambda: self._begin(
+                keys=[job_key(job_id), stream_key(job_id), QUEUED, STARTED_HW, DEAD],
+                args=[s.stream_maxlen, 86_400, s.result_ttl_s, s.max_attempts, time.time(), self.hostname, job_id],
+            )
         )
         if attempt == -1:
             return cancelled_result(job_id)
+        if attempt == -3:
+            log.error("job %s dead-lettered: %s", job_id, stored.decode() if isinstance(stored, bytes) else stored)
+            raise DeadLettered(stored.decode() if isinstance(stored, bytes) else stored)
         if attempt == -2:  # finished before, redelivered before its ack: the same result again
             return json.loads(stored)
         request = GenerationRequest(job_id, spec.prompt, spec.prompt_token_ids, spec.params, spec.messages)
@@ -105,19 +137,14 @@ class WorkerHost:
         return result
 
     def fail(self, job_id: str, error: RequestError) -> None:
-        """A request refused before it reached the engine: end its stream with the error."""
+        """A request refused before it reached the engine: end its stream with the error (once)."""
         s = self.settings
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xadd(
-            stream_key(job_id),
-            {"type": "error", "message": str(error), "field": error.field},
-            maxlen=s.stream_maxlen,
-            approximate=True,
+        self._retrying(
+            lambda: self._fail(
+                keys=[job_key(job_id), stream_key(job_id), QUEUED],
+                args=[s.stream_maxlen, s.stream_ttl_s, s.result_ttl_s, str(error), error.field, job_id],
+            )
         )
-        pipe.expire(stream_key(job_id), s.stream_ttl_s)
-        pipe.hset(job_key(job_id), mapping={"state": "done", "error": str(error), "field": error.field})
-        pipe.expire(job_key(job_id), s.result_ttl_s)
-        pipe.execute()
 
     def _done(self, job_id: str, result: dict | None, error: dict[str, str] | None = None) -> None:
         """The job hash's final state: its result, or its error (so a poller never needs the stream)."""
@@ -128,7 +155,20 @@ class WorkerHost:
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(job_key(job_id), mapping=mapping)
         pipe.expire(job_key(job_id), self.settings.result_ttl_s)
-        pipe.execute()
+        self._retrying(pipe.execute)
+
+    def _retrying(self, op: Callable[[], T]) -> T:
+        """A job's own state writes wait out a Redis restart (up to REDIS_RETRY_S): giving up would
+        leave it 'running' and make a redelivery run it a second time."""
+        deadline = time.monotonic() + self.settings.redis_retry_s
+        while True:
+            try:
+                return op()
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("Redis unavailable (%s); retrying", e)
+                time.sleep(0.5)
 
     # ----- background loops ---------------------------------------------------------------------
     def start(self) -> None:
@@ -136,6 +176,7 @@ class WorkerHost:
             ("cancel", self._cancel_loop),
             ("lease", self._lease_loop),
             ("prefetch", self._prefetch_loop),
+            ("recover", self._recover_loop),
             ("heartbeat", self._heartbeat_loop),
         ):
             t = threading.Thread(target=self._guard(target), name=f"weightq-{name}", daemon=True)
@@ -212,6 +253,66 @@ class WorkerHost:
                 qos.increment_eventually(want - qos.value)
             elif want < qos.value:
                 qos.decrement_eventually(qos.value - want)
+
+    def _recover_loop(self) -> None:
+        while not self._stop.wait(self.settings.recover_interval_s):
+            self.recover_lost_jobs()
+
+    def recover_lost_jobs(self) -> list[str]:
+        """Re-send jobs whose message is gone; returns their ids. Cheap when nothing is lost: one
+        ZRANGEBYSCORE. A job counts as lost only if it is still 'queued' long after submission, a
+        later job has already started or the queue is empty (FIFO: it should have been taken), and
+        it is in neither the queue nor the unacked messages in two sweeps in a row."""
+        r, s = self.redis, self.settings
+        if not r.set("weightq:recover-lock", self.hostname, nx=True, ex=max(1, int(s.recover_interval_s))):
+            return []
+        cutoff = time.time() - s.lost_job_grace_s
+        if r.llen(s.queue):  # FIFO: only jobs older than one that has started should have left the queue
+            cutoff = min(cutoff, float(r.get(STARTED_HW) or 0))
+        old = [x.decode() for x in r.zrangebyscore(QUEUED, "-inf", cutoff, start=0, num=500)]
+        if not old:
+            self._suspects.clear()
+            return []
+        pipe = r.pipeline(transaction=False)
+        for job_id in old:
+            pipe.hget(job_key(job_id), "state")
+        queued = []
+        for job_id, state in zip(old, pipe.execute(), strict=True):
+            if state == b"queued":
+                queued.append(job_id)
+            else:
+                r.zrem(QUEUED, job_id)  # started (or expired) without BEGIN seeing it here
+        if not queued:
+            return []
+        if r.llen(s.queue) > s.lost_job_scan_limit:
+            log.info("%d jobs look lost, but the queue is too long to scan now", len(queued))
+            return []
+        present = self._present(queued)
+        missing = {j for j in queued if j not in present}
+        lost, self._suspects = sorted(missing & self._suspects), missing - self._suspects
+        for job_id in lost:
+            raw = r.hget(job_key(job_id), "request")
+            if raw is None or self.app is None:
+                continue
+            log.warning("job %s lost its message (a Redis crash?): sending it again", job_id)
+            self.app.send_task(TASK_NAME, args=[json.loads(raw)], task_id=job_id, queue=s.queue)
+        return lost
+
+    def _present(self, job_ids: list[str]) -> set[str]:
+        """Which of these jobs have a message in the queue or among the unacked ones."""
+        needles = {j: f'"{j}"'.encode() for j in job_ids}
+        found: set[str] = set()
+
+        def scan(blobs) -> None:
+            for blob in blobs:
+                for j, needle in needles.items():
+                    if needle in blob:
+                        found.add(j)
+
+        scan(self.redis.hvals("unacked"))
+        for start in range(0, self.redis.llen(self.settings.queue), 1000):
+            scan(self.redis.lrange(self.settings.queue, start, start + 999))
+        return found
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(1.0):

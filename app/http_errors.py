@@ -4,9 +4,17 @@ from __future__ import annotations
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, field: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        field: str | None = None,
+        kind: str = "invalid_request_error",
+        retry_after: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.field, self.kind = status, message, field, kind
+        self.retry_after = retry_after
 
 
 class JobError(Exception):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from tasks.schema import RequestError
+from tasks.schema import RequestError, field_name
 
 # Accepted and ignored: they change nothing about the generation.
 IGNORED = {"user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls"}
@@ -32,7 +32,7 @@ def _common(body: dict, fields: set[str], served_model: str) -> dict:
         raise RequestError("body", "must be a JSON object")
     unknown = sorted(set(body) - fields)
     if unknown:
-        raise RequestError(unknown[0], "unknown field")
+        raise RequestError(field_name(unknown[0]), "unknown field")
     model = body.get("model")
     if model is not None and model != served_model:
         raise RequestError("model", f"model {model!r} is not served here (serving {served_model!r})")

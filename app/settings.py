@@ -48,13 +48,22 @@ class Settings:
     stream_ttl_s: int = 3600  # a stream expires this long after its end (or 1 day after its start)
     result_ttl_s: int = 86_400
     shutdown_grace_s: float = 30.0  # warm shutdown: finish running generations this long, then requeue
+    max_attempts: int = 3  # a job started this many times without finishing is dead-lettered
+    redis_retry_s: float = 60.0  # a worker waits this long for Redis to come back before failing a job
+    recover_interval_s: float = 10.0  # how often a worker looks for jobs whose message was lost
+    lost_job_grace_s: float = 30.0  # ... among jobs queued at least this long
+    lost_job_scan_limit: int = 50_000  # ... when the queue is no longer than this
     weightq_home: str = str(Path.home() / ".cache" / "weightq")
+    redis_appendfsync: str = "always"  # the embedded Redis: "always" (durable) or "everysec" (faster)
     metrics_port: int = 0  # a worker's own Prometheus endpoint (0: off; the gateway's /metrics covers all)
     metrics_host: str = "127.0.0.1"
     # HTTP gateway
     gateway_host: str = "127.0.0.1"
     gateway_port: int = 8000
-    api_key: str = ""  # when set, every route but /health needs `Authorization: Bearer <key>`
+    api_key: str = ""  # when set, every route but /health needs `Authorization: Bearer <key>` (comma: several)
+    max_concurrent_per_client: int = 0  # generation requests in progress per key (or address); 0: no limit
+    rate_limit_per_s: float = 0.0  # generation requests per second per key (or address); 0: no limit
+    rate_burst: int = 0  # the rate limit's bucket (0: max(1, RATE_LIMIT_PER_S))
     served_model_name: str = ""  # the model name clients send and see (default: MODEL)
     max_body_bytes: int = 4 * 2**20  # larger request bodies get 413
     request_timeout_s: float = 600.0  # a job with no stream entry for this long is cancelled (504)

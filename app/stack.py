@@ -48,7 +48,7 @@ class Stack:
         if s.redis_url:
             self.url = s.redis_url
         else:
-            self.redis_server = EmbeddedRedis(s.home / "redis")
+            self.redis_server = EmbeddedRedis(s.home / "redis", appendfsync=s.redis_appendfsync)
             self.url = self.redis_server.start()
             (s.home / "redis" / "url").write_text(self.url)
             print(f"weightq: embedded Redis at {self.url} (data in {self.redis_server.data_dir})", flush=True)

@@ -6,7 +6,11 @@ Keys (all expire; see Settings):
       {"type": "token", "i": index, "text": delta, "id": token id, "ts": engine emit time (unix s)}
       {"type": "end", "reason": ..., "result": JSON}     the last entry of a finished job
       {"type": "error", "message": ..., "field": ...}    the last entry of a failed job
-  weightq:job:{id}     a hash: state (queued | running | done | cancelled), attempt, cancel, result
+  weightq:job:{id}     a hash: state (queued | running | done | cancelled), attempt, cancel, result,
+                       error and field (a failed job), request and queued_at (for recovery)
+  weightq:queued       a sorted set: ids of jobs submitted and not yet started, by submission time
+  weightq:started_hw   the latest submission time of any job that has started (FIFO high-water mark)
+  weightq:dead         a list: JSON records of dead-lettered jobs (too many attempts), newest first
   weightq:cancel       a pub/sub channel: a running job's id, published when a client cancels it
 
 A reader reads the stream from 0-0, so attaching late misses nothing; on an attempt marker after
@@ -20,6 +24,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 
 import redis
 
@@ -40,17 +45,68 @@ def job_key(job_id: str) -> str:
 
 CANCEL_CHANNEL = "weightq:cancel"
 
-# Start (or restart) a run: refuse a cancelled or finished job, else bump the attempt and mark it.
+QUEUED = "weightq:queued"
+STARTED_HW = "weightq:started_hw"
+DEAD = "weightq:dead"
+
+# Start (or restart) a run: refuse a cancelled or finished job; dead-letter one that has been started
+# too often (a poison job that kills its worker every time); else bump the attempt and mark it.
+# KEYS: job hash, stream, queued set, high-water mark, dead list.
+# ARGV: stream maxlen, stream ttl, job ttl, max attempts, now, worker name, job id.
 BEGIN = """
 local state = redis.call('HGET', KEYS[1], 'state')
+redis.call('ZREM', KEYS[3], ARGV[7])
 if state == 'cancelled' or redis.call('HGET', KEYS[1], 'cancel') then return {-1, ''} end
 if state == 'done' then return {-2, redis.call('HGET', KEYS[1], 'result') or ''} end
+local q = tonumber(redis.call('HGET', KEYS[1], 'queued_at') or '0')
+if q > tonumber(redis.call('GET', KEYS[4]) or '0') then redis.call('SET', KEYS[4], q) end
 local n = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
-redis.call('HSET', KEYS[1], 'state', 'running')
 redis.call('EXPIRE', KEYS[1], ARGV[3])
+if n > tonumber(ARGV[4]) then
+  local msg = 'dead-lettered: started ' .. (n - 1) .. ' times without finishing (the limit is ' .. ARGV[4] ..
+    '); its worker may crash on it'
+  redis.call('HSET', KEYS[1], 'state', 'done', 'error', msg, 'field', '')
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'error', 'message', msg, 'field', '')
+  redis.call('EXPIRE', KEYS[2], ARGV[2])
+  redis.call('LPUSH', KEYS[5], cjson.encode({id = ARGV[7], attempts = n - 1, at = tonumber(ARGV[5]),
+    worker = ARGV[6], request = redis.call('HGET', KEYS[1], 'request') or ''}))
+  return {-3, msg}
+end
+redis.call('HSET', KEYS[1], 'state', 'running')
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'attempt', 'attempt', n)
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 return {n, ''}
+"""
+
+# Fail a job before it runs (a refused request): once, however often it is retried or redelivered.
+# KEYS: job hash, stream, queued set. ARGV: stream maxlen, stream ttl, job ttl, message, field, job id.
+FAIL = """
+if redis.call('HGET', KEYS[1], 'state') == 'done' then return 0 end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'error', 'message', ARGV[4], 'field', ARGV[5])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+redis.call('HSET', KEYS[1], 'state', 'done', 'error', ARGV[4], 'field', ARGV[5])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('ZREM', KEYS[3], ARGV[6])
+return 1
+"""
+
+# A step's stream entries, applied at most once per (writer, seq).
+# KEYS: the writer's key, then the streams. ARGV: maxlen, ttl, seq, then per entry:
+# stream index (into KEYS), number of field pairs, 1 if it ends the stream, the pairs.
+WRITE_BATCH = """
+if tonumber(redis.call('GET', KEYS[1]) or '0') >= tonumber(ARGV[3]) then return 0 end
+redis.call('SET', KEYS[1], ARGV[3], 'EX', 86400)
+local i = 4
+while i <= #ARGV do
+  local key = KEYS[tonumber(ARGV[i])]
+  local n = tonumber(ARGV[i + 1])
+  local cmd = {'XADD', key, 'MAXLEN', '~', ARGV[1], '*'}
+  for j = 1, 2 * n do cmd[#cmd + 1] = ARGV[i + 2 + j] end
+  redis.call(unpack(cmd))
+  if ARGV[i + 2] == '1' then redis.call('EXPIRE', key, ARGV[2]) end
+  i = i + 3 + 2 * n
+end
+return 1
 """
 
 # Cancel from a client: a queued job ends here and now; a running one is flagged for its worker.
@@ -63,6 +119,7 @@ if state == 'running' then
   return 'running'
 end
 redis.call('HSET', KEYS[1], 'state', 'cancelled')
+redis.call('ZREM', KEYS[3], ARGV[5])
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'end', 'reason', 'cancelled', 'result', ARGV[3])
 redis.call('EXPIRE', KEYS[2], ARGV[2])
@@ -88,6 +145,9 @@ class StreamPublisher:
         self.annotations: dict[str, dict] = {}  # job id -> fields added to its result (attempt, worker)
         self.requeueing = False  # set at shutdown: cancelled jobs go back to the queue, so no end entry
         self.metrics: EngineMetrics | None = None
+        self.writer_key = f"weightq:writer:{uuid.uuid4().hex}"  # the last batch applied (see _apply)
+        self._seq = 0
+        self._batch_script = client.register_script(WRITE_BATCH)
 
     def __call__(self, event: Event) -> None:
         self._pending.append((event, time.time()))  # stamped at emission: readers measure latency from here
@@ -109,16 +169,19 @@ class StreamPublisher:
             batch = self._batches.get()
             if batch is None:
                 return
-            while True:
+            entries = self._entries(batch)
+            self._seq += 1
+            while entries:
                 try:
-                    self._write(batch)
+                    self._apply(self._seq, entries)
                     break
                 except redis.RedisError:
-                    log.exception("writing %d stream entries failed; retrying", len(batch))
+                    log.exception("writing %d stream entries failed; retrying", len(entries))
                     time.sleep(0.5)
 
-    def _write(self, batch: list[tuple[Event, float]]) -> None:
-        pipe = self.client.pipeline(transaction=False)
+    def _entries(self, batch: list[tuple[Event, float]]) -> list[tuple[str, dict, bool]]:
+        """(stream key, fields, is it the last entry) for each event worth writing."""
+        out = []
         for ev, emitted in batch:
             key = stream_key(ev.request_id)
             if isinstance(ev, FinishEvent):
@@ -130,12 +193,26 @@ class StreamPublisher:
                 else:
                     result = result_dict(ev) | extra
                     fields = {"type": "end", "reason": ev.reason, "result": json.dumps(result)}
-                pipe.xadd(key, fields, maxlen=self.maxlen, approximate=True)
-                pipe.expire(key, self.ttl_s)
+                out.append((key, fields, True))
             else:
                 fields = {"type": "token", "i": ev.index, "text": ev.text, "id": ev.token_id, "ts": f"{emitted:.6f}"}
-                pipe.xadd(key, fields, maxlen=self.maxlen, approximate=True)
-        pipe.execute()
+                out.append((key, fields, False))
+        return out
+
+    def _apply(self, seq: int, entries: list[tuple[str, dict, bool]]) -> None:
+        """One script call per batch, applied at most once: a retry after a lost reply (Redis
+        crashed after applying it) is a no-op instead of a second copy of every entry."""
+        keys = [self.writer_key]
+        index: dict[str, int] = {}
+        args: list = [self.maxlen, self.ttl_s, seq]
+        for key, fields, last in entries:
+            if key not in index:
+                index[key] = len(keys) + 1
+                keys.append(key)
+            args += [index[key], len(fields), int(last)]
+            for k, v in fields.items():
+                args += [k, v]
+        self._batch_script(keys=keys, args=args, client=self.client)
 
 
 def field_of(message: str | None) -> str:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from tasks.schema import RequestError
+from tasks.schema import RequestError, field_name
 
 from .http_errors import JobError
 
@@ -41,7 +41,7 @@ def job_request(body: object) -> tuple[dict, dict]:
         raise RequestError("body", "must be a JSON object")
     unknown = sorted(set(body) - {"inputs", "parameters", "stream"})
     if unknown:
-        raise RequestError(unknown[0], "unknown field")
+        raise RequestError(field_name(unknown[0]), "unknown field")
     inputs = body.get("inputs")
     if not isinstance(inputs, str) or not inputs:
         raise RequestError("inputs", "must be a non-empty string")
@@ -50,7 +50,7 @@ def job_request(body: object) -> tuple[dict, dict]:
         raise RequestError("parameters", "must be an object")
     unknown = sorted(set(params) - PARAMETERS)
     if unknown:
-        raise RequestError(f"parameters.{unknown[0]}", "unknown parameter")
+        raise RequestError(f"parameters.{field_name(unknown[0])}", "unknown parameter")
     for name, allowed in (
         ("frequency_penalty", (None, 0, 0.0)),
         ("truncate", (None,)),

@@ -53,6 +53,7 @@ class EngineStep(bootsteps.StartStopStep):
         engine = Engine(settings.engine_config(), sink=publisher)
         self.host = host = WorkerHost(settings, engine, client, worker.hostname)
         worker.app.weightq_host = host
+        host.app = worker.app
         engine.start()
         host.start()
         if settings.metrics_port:

@@ -46,6 +46,11 @@ class RequestError(ValueError):
         return (RequestError, (self.field, str(self).split(": ", 1)[-1]))
 
 
+def field_name(name: str) -> str:
+    """How an unknown field is named in an error: as sent, or quoted when it is blank or unprintable."""
+    return name if name.strip() and name.isprintable() and len(name) <= 64 else repr(name[:64])
+
+
 @dataclass(frozen=True, slots=True)
 class JobSpec:
     request_id: str | None
@@ -81,7 +86,7 @@ def parse_request(data: object) -> JobSpec:
         raise RequestError("request", f"must be a JSON object (got {type(data).__name__})")
     unknown = sorted(set(data) - FIELDS)
     if unknown:
-        raise RequestError(unknown[0], f"unknown field; accepted: {', '.join(sorted(FIELDS))}")
+        raise RequestError(field_name(unknown[0]), f"unknown field; accepted: {', '.join(sorted(FIELDS))}")
     prompt, ids, messages = data.get("prompt"), data.get("prompt_token_ids"), data.get("messages")
     if sum(x is not None for x in (prompt, ids, messages)) != 1:
         raise RequestError("prompt", "give exactly one of prompt, prompt_token_ids or messages")

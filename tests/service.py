@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -56,7 +57,8 @@ class WorkerProcess:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
-        self.redis.hdel("weightq:workers", self.name)
+        with contextlib.suppress(redis.RedisError):
+            self.redis.hdel("weightq:workers", self.name)
 
     def stop(self, timeout: float = 60) -> int:
         """Warm shutdown (SIGTERM); a worker that hangs is killed and the test fails."""

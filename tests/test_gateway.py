@@ -183,6 +183,7 @@ def test_metrics_cover_the_workers_engines(stack):
         'weightq_time_per_output_token_seconds_count{worker="gw@test"}',
         'weightq_requests_finished_total{reason="length",worker="gw@test"}',
         'weightq_http_requests_total{route="/v1/completions",status="200"}',
+        "weightq_dead_letters 0.0",
     ):
         assert name in text, name
 
@@ -223,3 +224,32 @@ def test_a_client_resumes_its_stream_on_a_restarted_gateway(stack, redis_url, tm
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "Last-Event-ID"
     finally:
         second.stop()
+
+
+def test_per_key_limits_answer_429_with_retry_after(stack, redis_url, tmp_path):
+    keys = "key-a,key-b"
+    limited = GatewayProcess(redis_url, tmp_path, api_key=keys, max_concurrent_per_client=2).wait_ready()
+    try:
+        body = {"prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        a = {"Authorization": "Bearer key-a"}
+        with httpx.Client(base_url=limited.base, timeout=30) as http:
+            streams = [http.stream("POST", "/v1/completions", json=body, headers=a) for _ in range(2)]
+            responses = [s.__enter__() for s in streams]
+            assert [r.status_code for r in responses] == [200, 200]
+            third = http.post("/v1/completions", json=body, headers=a)
+            assert third.status_code == 429 and third.headers["Retry-After"] == "1"
+            assert third.json()["error"]["type"] == "rate_limit_error"
+            other = http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 2},
+                              headers={"Authorization": "Bearer key-b"})  # fmt: skip
+            assert other.status_code == 200  # another key has its own allowance
+            for s in streams:
+                s.__exit__(None, None, None)
+    finally:
+        limited.stop()
+    rated = GatewayProcess(redis_url, tmp_path, rate_limit_per_s=0.5, rate_burst=2).wait_ready()  # no keys: by address
+    try:
+        codes = [httpx.post(rated.base + "/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code
+                 for _ in range(3)]  # fmt: skip
+        assert codes == [200, 200, 429]
+    finally:
+        rated.stop()

@@ -1,0 +1,57 @@
+"""Per-client limits at the gateway: concurrent requests and a request rate (token bucket).
+
+A client is its API key (or its address when the gateway has no keys). Exceeding either limit is
+a 429 with Retry-After; the request never reaches the queue.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Bucket:
+    tokens: float
+    stamp: float
+
+
+@dataclass
+class ClientLimits:
+    max_concurrent: int = 0  # 0: no limit
+    rate_per_s: float = 0.0  # 0: no limit
+    burst: int = 0  # bucket size (0: max(1, rate))
+    inflight: dict[str, int] = field(default_factory=dict)
+    buckets: dict[str, Bucket] = field(default_factory=dict)
+
+    def acquire(self, client: str, now: float | None = None) -> float | None:
+        """None when the request may go ahead (call release() when it ends); else the seconds to wait."""
+        now = time.monotonic() if now is None else now
+        if self.max_concurrent and self.inflight.get(client, 0) >= self.max_concurrent:
+            return 1.0
+        if self.rate_per_s > 0:
+            size = self.burst or max(1.0, self.rate_per_s)
+            b = self.buckets.get(client)
+            if b is None:
+                b = self.buckets[client] = Bucket(size, now)
+            b.tokens = min(size, b.tokens + (now - b.stamp) * self.rate_per_s)
+            b.stamp = now
+            if b.tokens < 1:
+                return (1 - b.tokens) / self.rate_per_s
+            b.tokens -= 1
+            if len(self.buckets) > 100_000:  # forget idle clients (their buckets are full again anyway)
+                self.buckets = {k: v for k, v in self.buckets.items() if v.tokens < size}
+        self.inflight[client] = self.inflight.get(client, 0) + 1
+        return None
+
+    def release(self, client: str) -> None:
+        n = self.inflight.get(client, 0) - 1
+        if n > 0:
+            self.inflight[client] = n
+        else:
+            self.inflight.pop(client, None)
+
+
+def retry_after(seconds: float) -> str:
+    return str(max(1, math.ceil(seconds)))
