@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import ssl
+
 from celery import Celery
 
 from .settings import Settings
 from .worker import ConsumerLink, EngineStep
+
+
+def tls_options(s: Settings, url: str) -> dict:
+    """Celery refuses rediss:// without explicit certificate checking: say it for broker and backend."""
+    if not url.startswith("rediss://"):
+        return {}
+    reqs = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL, "none": ssl.CERT_NONE}
+    if s.redis_ssl_cert_reqs not in reqs:
+        raise ValueError(f"REDIS_SSL_CERT_REQS={s.redis_ssl_cert_reqs!r}: expected one of {', '.join(reqs)}")
+    opts = {"ssl_cert_reqs": reqs[s.redis_ssl_cert_reqs]}
+    if s.redis_ssl_ca_certs:
+        opts["ssl_ca_certs"] = s.redis_ssl_ca_certs
+    return {"broker_use_ssl": opts, "redis_backend_use_ssl": opts}
 
 
 def celery_config(s: Settings) -> dict:
@@ -30,6 +45,7 @@ def celery_config(s: Settings) -> dict:
             "unacked_restore_interval": s.restore_interval_s,
             "unacked_restore_throttle": 1,
         },
+        **tls_options(s, url),
         "broker_connection_retry_on_startup": True,
         "broker_connection_max_retries": None,  # a Redis restart is waited out, however long
         # kombu's Redis transport without the restore-on-close that crashed the consumer after a

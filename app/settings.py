@@ -55,6 +55,8 @@ class Settings:
     lost_job_scan_limit: int = 50_000  # ... when the queue is no longer than this
     weightq_home: str = str(Path.home() / ".cache" / "weightq")
     redis_appendfsync: str = "always"  # the embedded Redis: "always" (durable) or "everysec" (faster)
+    redis_ssl_cert_reqs: str = "required"  # rediss:// URLs: required | optional | none
+    redis_ssl_ca_certs: str = ""  # rediss:// URLs: CA bundle (default: the system's)
     metrics_port: int = 0  # a worker's own Prometheus endpoint (0: off; the gateway's /metrics covers all)
     metrics_host: str = "127.0.0.1"
     # HTTP gateway

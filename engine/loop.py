@@ -60,6 +60,7 @@ class Engine:
             "finished": 0,
             "forward_s": 0.0,
             "step_s": 0.0,
+            "overflow_steps": 0,  # steps whose batch held more KV tokens than the budget (must stay 0)
         }
         self._rate = {"t": time.monotonic(), "prefill": 0, "decode": 0, "prefill_tok_s": 0.0, "decode_tok_s": 0.0}
 
@@ -223,6 +224,8 @@ class Engine:
             deltas[i] = piece
         for seq, tok, delta in zip(emitted, tokens, deltas, strict=True):
             self._accept(seq, tok, delta, done)
+        if self.batcher.batch_weight() > self.batcher.budget:
+            self.counters["overflow_steps"] += 1
         self._count(plan.prefill_tokens, len(plan.decode), fwd, time.perf_counter() - t_start)
         if self.config.check_invariants:
             self._check_invariants()

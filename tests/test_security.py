@@ -1,0 +1,59 @@
+"""Security: a password-protected Redis end to end, TLS settings, and the gateway's bind guard."""
+
+from __future__ import annotations
+
+import os
+import ssl
+import subprocess
+import sys
+
+import httpx
+import pytest
+import redis
+
+from app.celery import celery_config
+from app.client import Client
+from app.redis_server import EmbeddedRedis
+from app.settings import Settings
+from tests.service import ROOT, GatewayProcess, WorkerProcess
+
+
+def test_a_password_protected_redis_works_end_to_end(tmp_path):
+    server = EmbeddedRedis(tmp_path / "redis", password="s3cret-pw")
+    url = server.start()
+    assert url.startswith("redis://:s3cret-pw@")
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(port=server.port).ping()  # no password: refused
+    worker = WorkerProcess(url, "pw@test", tmp_path, max_batch_weight=2048)
+    gateway = GatewayProcess(url, tmp_path)
+    try:
+        worker.wait_ready()
+        gateway.wait_ready()
+        job = Client(url, settings=Settings(redis_url=url)).submit("locked", max_new_tokens=4)
+        assert job.result(timeout=60)["usage"]["completion_tokens"] == 4
+        r = httpx.post(gateway.base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200
+    finally:
+        gateway.stop()
+        worker.stop()
+        worker.kill()
+        server.stop()
+
+
+def test_rediss_urls_get_certificate_checking_for_broker_and_backend():
+    cfg = celery_config(Settings(redis_url="rediss://:pw@redis.example:6380/0", redis_ssl_ca_certs="/etc/ca.pem"))
+    want = {"ssl_cert_reqs": ssl.CERT_REQUIRED, "ssl_ca_certs": "/etc/ca.pem"}
+    assert cfg["broker_use_ssl"] == want and cfg["redis_backend_use_ssl"] == want
+    assert "broker_transport" not in cfg  # kombu's own transport handles TLS
+    with pytest.raises(ValueError, match="REDIS_SSL_CERT_REQS"):
+        celery_config(Settings(redis_url="rediss://h/0", redis_ssl_cert_reqs="maybe"))
+    assert "broker_use_ssl" not in celery_config(Settings(redis_url="redis://h/0"))
+
+
+def test_gateway_refuses_a_public_bind_without_an_api_key(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "API_KEY"} | {"WEIGHTQ_HOME": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-m", "app.cli", "gateway", "--host", "0.0.0.0", "--port", "1"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode != 0 and "refusing to serve 0.0.0.0 without an API key" in out.stderr
