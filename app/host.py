@@ -102,7 +102,16 @@ class WorkerHost:
         attempt, stored = self._retrying(
             lambda: self._begin(
                 keys=[job_key(job_id), stream_key(job_id), QUEUED, STARTED_HW, DEAD],
-                args=[s.stream_maxlen, 86_400, s.result_ttl_s, s.max_attempts, time.time(), self.hostname, job_id],
+                args=[
+                    s.stream_maxlen,
+                    86_400,
+                    s.result_ttl_s,
+                    s.max_attempts,
+                    time.time(),
+                    self.hostname,
+                    job_id,
+                    json.dumps(cancelled_result(job_id)),
+                ],
             )
         )
         if attempt == -1:
@@ -126,7 +135,13 @@ class WorkerHost:
                 self.active.pop(job_id, None)
                 self._tags.pop(job_id, None)
         if final.reason == "cancelled" and self.shutting_down:
-            self.redis.hset(job_key(job_id), "state", "queued")
+            # Back to the queue. If kombu's requeue fails on the closing channel, the recovery sweep
+            # finds the job queued and nowhere else, and sends it again.
+            queued_at = float(self.redis.hget(job_key(job_id), "queued_at") or time.time())
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.hset(job_key(job_id), "state", "queued")
+            pipe.zadd(QUEUED, {job_id: queued_at})
+            self._retrying(pipe.execute)
             raise Reject(f"worker {self.hostname} shutting down: job {job_id} goes back to the queue", requeue=True)
         if final.reason == "error":
             message = final.error or "error"

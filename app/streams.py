@@ -52,11 +52,18 @@ DEAD = "weightq:dead"
 # Start (or restart) a run: refuse a cancelled or finished job; dead-letter one that has been started
 # too often (a poison job that kills its worker every time); else bump the attempt and mark it.
 # KEYS: job hash, stream, queued set, high-water mark, dead list.
-# ARGV: stream maxlen, stream ttl, job ttl, max attempts, now, worker name, job id.
+# ARGV: stream maxlen, stream ttl, job ttl, max attempts, now, worker name, job id, cancelled result.
 BEGIN = """
 local state = redis.call('HGET', KEYS[1], 'state')
 redis.call('ZREM', KEYS[3], ARGV[7])
-if state == 'cancelled' or redis.call('HGET', KEYS[1], 'cancel') then return {-1, ''} end
+if state == 'cancelled' or redis.call('HGET', KEYS[1], 'cancel') then
+  if state ~= 'cancelled' then  -- cancelled while its worker died: end it here, once
+    redis.call('HSET', KEYS[1], 'state', 'cancelled')
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'end', 'reason', 'cancelled', 'result', ARGV[8])
+    redis.call('EXPIRE', KEYS[2], ARGV[2])
+  end
+  return {-1, ''}
+end
 if state == 'done' then return {-2, redis.call('HGET', KEYS[1], 'result') or ''} end
 local q = tonumber(redis.call('HGET', KEYS[1], 'queued_at') or '0')
 if q > tonumber(redis.call('GET', KEYS[4]) or '0') then redis.call('SET', KEYS[4], q) end
@@ -90,21 +97,31 @@ redis.call('ZREM', KEYS[3], ARGV[6])
 return 1
 """
 
-# A step's stream entries, applied at most once per (writer, seq).
-# KEYS: the writer's key, then the streams. ARGV: maxlen, ttl, seq, then per entry:
-# stream index (into KEYS), number of field pairs, 1 if it ends the stream, the pairs.
+# A step's stream entries, applied at most once per (writer, seq). A job's last entry and its final
+# state go together, so a worker that dies after writing the end never leaves a 'running' job that a
+# redelivery would run again.
+# KEYS: the writer's key, then streams and job hashes. ARGV: maxlen, stream ttl, job ttl, seq, then
+# per entry: stream index (into KEYS), job index (0: none), number of field pairs, number of job-state
+# pairs, the field pairs, the job-state pairs.
 WRITE_BATCH = """
-if tonumber(redis.call('GET', KEYS[1]) or '0') >= tonumber(ARGV[3]) then return 0 end
-redis.call('SET', KEYS[1], ARGV[3], 'EX', 86400)
-local i = 4
+if tonumber(redis.call('GET', KEYS[1]) or '0') >= tonumber(ARGV[4]) then return 0 end
+redis.call('SET', KEYS[1], ARGV[4], 'EX', 86400)
+local i = 5
 while i <= #ARGV do
   local key = KEYS[tonumber(ARGV[i])]
-  local n = tonumber(ARGV[i + 1])
+  local job = tonumber(ARGV[i + 1])
+  local n, m = tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
   local cmd = {'XADD', key, 'MAXLEN', '~', ARGV[1], '*'}
-  for j = 1, 2 * n do cmd[#cmd + 1] = ARGV[i + 2 + j] end
+  for j = 1, 2 * n do cmd[#cmd + 1] = ARGV[i + 3 + j] end
   redis.call(unpack(cmd))
-  if ARGV[i + 2] == '1' then redis.call('EXPIRE', key, ARGV[2]) end
-  i = i + 3 + 2 * n
+  if job > 0 then
+    redis.call('EXPIRE', key, ARGV[2])
+    local h = {'HSET', KEYS[job]}
+    for j = 1, 2 * m do h[#h + 1] = ARGV[i + 3 + 2 * n + j] end
+    if m > 0 then redis.call(unpack(h)) end
+    redis.call('EXPIRE', KEYS[job], ARGV[3])
+  end
+  i = i + 4 + 2 * n + 2 * m
 end
 return 1
 """
@@ -134,10 +151,11 @@ class StreamPublisher:
     batch to a writer thread, so Redis round trips overlap the next forward pass.
     """
 
-    def __init__(self, client: redis.Redis, *, maxlen: int, ttl_s: int) -> None:
+    def __init__(self, client: redis.Redis, *, maxlen: int, ttl_s: int, job_ttl_s: int = 86_400) -> None:
         self.client = client
         self.maxlen = maxlen
         self.ttl_s = ttl_s
+        self.job_ttl_s = job_ttl_s
         self._pending: list[tuple[Event, float]] = []
         self._batches: queue.SimpleQueue[list[tuple[Event, float]] | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="weightq-streams", daemon=True)
@@ -179,9 +197,9 @@ class StreamPublisher:
                     log.exception("writing %d stream entries failed; retrying", len(entries))
                     time.sleep(0.5)
 
-    def _entries(self, batch: list[tuple[Event, float]]) -> list[tuple[str, dict, bool]]:
-        """(stream key, fields, is it the last entry) for each event worth writing."""
-        out = []
+    def _entries(self, batch: list[tuple[Event, float]]) -> list[tuple[str, dict, dict | None]]:
+        """(stream key, fields, the job's final state or None) for each event worth writing."""
+        out: list[tuple[str, dict, dict | None]] = []
         for ev, emitted in batch:
             key = stream_key(ev.request_id)
             if isinstance(ev, FinishEvent):
@@ -189,28 +207,38 @@ class StreamPublisher:
                 if self.requeueing and ev.reason == "cancelled":
                     continue
                 if ev.reason == "error":
-                    fields = {"type": "error", "message": ev.error or "error", "field": field_of(ev.error)}
+                    message, fld = ev.error or "error", field_of(ev.error)
+                    fields = {"type": "error", "message": message, "field": fld}
+                    state = {"state": "done", "error": message, "field": fld}
                 else:
-                    result = result_dict(ev) | extra
-                    fields = {"type": "end", "reason": ev.reason, "result": json.dumps(result)}
-                out.append((key, fields, True))
+                    result = json.dumps(result_dict(ev) | extra)
+                    fields = {"type": "end", "reason": ev.reason, "result": result}
+                    state = {"state": "cancelled" if ev.reason == "cancelled" else "done", "result": result}
+                out.append((key, fields, state))
             else:
                 fields = {"type": "token", "i": ev.index, "text": ev.text, "id": ev.token_id, "ts": f"{emitted:.6f}"}
-                out.append((key, fields, False))
+                out.append((key, fields, None))
         return out
 
-    def _apply(self, seq: int, entries: list[tuple[str, dict, bool]]) -> None:
+    def _apply(self, seq: int, entries: list[tuple[str, dict, dict | None]]) -> None:
         """One script call per batch, applied at most once: a retry after a lost reply (Redis
         crashed after applying it) is a no-op instead of a second copy of every entry."""
         keys = [self.writer_key]
         index: dict[str, int] = {}
-        args: list = [self.maxlen, self.ttl_s, seq]
-        for key, fields, last in entries:
+
+        def slot(key: str) -> int:
             if key not in index:
-                index[key] = len(keys) + 1
                 keys.append(key)
-            args += [index[key], len(fields), int(last)]
+                index[key] = len(keys)
+            return index[key]
+
+        args: list = [self.maxlen, self.ttl_s, self.job_ttl_s, seq]
+        for key, fields, state in entries:
+            job = slot(job_key(key.removeprefix("weightq:stream:"))) if state is not None else 0
+            args += [slot(key), job, len(fields), len(state or {})]
             for k, v in fields.items():
+                args += [k, v]
+            for k, v in (state or {}).items():
                 args += [k, v]
         self._batch_script(keys=keys, args=args, client=self.client)
 

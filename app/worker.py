@@ -48,7 +48,9 @@ class EngineStep(bootsteps.StartStopStep):
     def start(self, worker) -> None:
         settings = Settings.from_env()
         client = redis.Redis.from_url(settings.resolved_redis_url(), socket_timeout=30, health_check_interval=10)
-        publisher = StreamPublisher(client, maxlen=settings.stream_maxlen, ttl_s=settings.stream_ttl_s)
+        publisher = StreamPublisher(
+            client, maxlen=settings.stream_maxlen, ttl_s=settings.stream_ttl_s, job_ttl_s=settings.result_ttl_s
+        )
         publisher.metrics = EngineMetrics()
         engine = Engine(settings.engine_config(), sink=publisher)
         self.host = host = WorkerHost(settings, engine, client, worker.hostname)

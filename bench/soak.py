@@ -144,8 +144,8 @@ class Soak:
             self.workers.append(survivor)
             survivor.wait_ready()
             rss_start = None
-            deadline = time.monotonic() + 900
-            while self.finished() < self.n or any(not f.done() for f in futures):
+            deadline = time.monotonic() + 600  # what is not finished by then counts as lost
+            while any(not f.done() for f in futures) or self.finished() < len(self.ids):
                 if rss_start is None and survivor.stats().get("finished", 0) >= 200:
                     rss_start = rss_mb(survivor.proc.pid)
                 if time.monotonic() > deadline:

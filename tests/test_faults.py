@@ -12,7 +12,7 @@ import redis
 from app.client import Client, JobFailed
 from app.redis_server import EmbeddedRedis
 from app.settings import Settings
-from app.streams import stream_key
+from app.streams import job_key, stream_key
 from tests.service import GatewayProcess, WorkerProcess
 
 
@@ -96,3 +96,15 @@ def test_a_poison_job_is_dead_lettered_after_max_attempts(service):
     assert service.client.app.AsyncResult("poison").state == "FAILURE"
     assert service.client.submit("next", max_new_tokens=3).result(timeout=60)["worker"] == "survivor@test"
     assert survivor.stats()["kv_blocks_used"] == 0
+
+
+def test_a_job_cancelled_while_its_worker_died_ends_cleanly_on_redelivery(service):
+    """The client cancelled (flag set) while the job ran on a worker that then died before acting on
+    it: the redelivered message must end the job as cancelled, with an end entry, not leave it running."""
+    r = redis.Redis.from_url(service.url, decode_responses=True)
+    job = service.client.submit("orphaned cancel", max_new_tokens=5, request_id="oc-1")
+    r.hset(job_key("oc-1"), mapping={"state": "running", "cancel": "1", "attempt": "1"})  # as the dead worker left it
+    service.worker().wait_ready()
+    assert job.result(timeout=60)["finish_reason"] == "cancelled"
+    assert r.hget(job_key("oc-1"), "state") == "cancelled"
+    assert len(end_entries(service.url, "oc-1")) == 1

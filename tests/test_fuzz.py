@@ -164,3 +164,9 @@ def test_thousands_of_connections_opened_and_dropped(live):
     assert stats["kv_blocks_used"] == 0
     ok = httpx.post(gateway.base + "/v1/completions", json={"prompt": "after the flood", "max_tokens": 3}, timeout=60)
     assert ok.status_code == 200 and worker.proc.poll() is None
+
+
+def test_the_fuzzed_routes_are_every_post_route_of_the_openapi_document(live):
+    _, gateway = live
+    paths = httpx.get(gateway.base + "/openapi.json", timeout=10).json()["paths"]
+    assert {p for p, ops in paths.items() if "post" in ops} == set(ROUTES)
