@@ -9,6 +9,9 @@ import sys
 from batcher import BatcherConfig, ConfigError
 from batcher.sim import POLICIES, StepCost, load_trace, sharegpt_like, simulate_policies
 
+from .batch import batch_parser
+from .stack import stack_parsers
+
 TABLE_COLUMNS = (
     ("output_tokens_per_s", "out tok/s"),
     ("requests_per_s", "req/s"),
@@ -278,146 +281,6 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
-def _batch_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "batch",
-        help="run a JSONL file of requests through the workers, writing results as they complete",
-        description="Offline batch inference. Each input line is a request: prompt, messages or prompt_token_ids, "
-        'sampling parameters, optional "id". Rerun the same command to resume: ids already in the output are '
-        "skipped.",
-    )
-    p.add_argument("input", help="JSONL file of requests")
-    p.add_argument("-o", "--output", required=True, help="JSONL file of results (appended; resumable)")
-    p.add_argument("--max-in-flight", type=int, default=256, help="jobs queued at once (default 256)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.set_defaults(func=cmd_batch)
-
-
-def cmd_batch(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from .batch import run_batch
-    from .client import Client
-    from .settings import Settings
-
-    settings = Settings.from_env()
-    src = Path(args.input)
-    if not src.is_file():
-        raise SystemExit(f"weightq batch: no such file: {src}")
-    if args.max_in_flight < 1:
-        raise SystemExit("weightq batch: --max-in-flight must be >= 1")
-    client = Client(ensure_redis(settings), settings=settings)
-    summary, interrupted = run_batch(
-        src, Path(args.output), client, max_in_flight=args.max_in_flight, progress=not args.no_progress
-    )
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        print(format_summary(summary))
-    return 130 if interrupted else 0
-
-
-def format_summary(s: dict) -> str:
-    lat = "n/a" if s["latency_p50_s"] is None else f"p50 {s['latency_p50_s']:.2f} s, p99 {s['latency_p99_s']:.2f} s"
-    return (
-        f"{s['requests']} requests: {s['completed']} completed, {s['failed']} failed, {s['skipped']} skipped "
-        f"(already done); {s['completion_tokens']} tokens in {s['elapsed_s']:.1f} s = {s['tokens_per_s']:.0f} tok/s; "
-        f"latency {lat}"
-    )
-
-
-def _stack_parsers(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "up",
-        help="run the whole stack here: embedded Redis (unless REDIS_URL), a worker, the gateway (and Flower)",
-        description="Embedded Redis unless REDIS_URL is set, one worker, the HTTP gateway on GATEWAY_HOST:GATEWAY_PORT "
-        "(127.0.0.1:8000), and Flower with --flower. Ctrl-C stops everything cleanly.",
-    )
-    p.add_argument("--host", default=None, help="gateway bind address (default GATEWAY_HOST)")
-    p.add_argument("--port", type=int, default=None, help="gateway port (default GATEWAY_PORT)")
-    p.add_argument("--flower", action="store_true", help="also run Flower (FLOWER_BASIC_AUTH=user:pass for auth)")
-    p.add_argument("--flower-port", type=int, default=5555)
-    p.set_defaults(func=cmd_up)
-    d = sub.add_parser(
-        "demo",
-        help="start the stack on the built-in tiny model, stream a completion, run a batch file, stop",
-        description="What `make run` does: the whole stack on MODEL (default builtin:tiny), one streamed chat "
-        "completion through the HTTP gateway, examples/prompts.jsonl as a batch job with its progress bar, "
-        "the summary and the engine's stats; then a clean shutdown.",
-    )
-    d.add_argument("--batch", default=None, help="JSONL requests to run (default examples/prompts.jsonl)")
-    d.set_defaults(func=cmd_demo)
-
-
-def cmd_up(args: argparse.Namespace) -> int:
-    from .settings import Settings
-    from .stack import Stack
-
-    settings = Settings.from_env()
-    stack = Stack(
-        settings,
-        host=args.host or settings.gateway_host,
-        port=settings.gateway_port if args.port is None else args.port,
-        flower_port=args.flower_port if args.flower else None,
-    )
-    stack.start()
-    return stack.serve()
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    import time
-    from pathlib import Path
-
-    from .batch import run_batch
-    from .client import Client
-    from .redis_server import free_port
-    from .settings import Settings
-    from .stack import Stack, stream_chat
-
-    settings = Settings.from_env()
-    batch = Path(args.batch) if args.batch else Path(__file__).resolve().parents[1] / "examples" / "prompts.jsonl"
-    home = settings.home / "demo"
-    (home / "logs").mkdir(parents=True, exist_ok=True)
-    stack = Stack(settings, port=free_port(), log_dir=home / "logs", worker_name="demo@%h")
-    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else None
-    print(f"weightq demo: starting Redis, a worker on {settings.model} and the gateway (logs in {home / 'logs'})")
-    try:
-        stack.start()
-        stats = stack.wait_ready()
-        print(
-            f"ready: worker {stats['hostname']} ({stats['model']}, {stats['attention']} attention, "
-            f"max_batch_weight {stats['max_batch_weight']} tokens); gateway {stack.base}\n"
-        )
-        print("== one chat completion, streamed through the gateway's OpenAI API ==")
-        usage = stream_chat(stack.base, "Explain how the batcher admits requests.", 64, headers)
-        print(f"[{usage.get('prompt_tokens')} prompt + {usage.get('completion_tokens')} completion tokens]\n")
-        print(f"== a batch file: {batch} ==")
-        out = home / "results.jsonl"
-        out.unlink(missing_ok=True)
-        summary, interrupted = run_batch(batch, out, Client(stack.url, settings=settings))
-        print(format_summary(summary))
-        print(f"results: {out}\n")
-        time.sleep(1.2)  # the next heartbeat carries the final counters
-        s = stack.worker_stats()
-        print(
-            f"engine: {s.get('steps')} steps, {s.get('prefill_tokens')} prompt + {s.get('decode_tokens')} generated "
-            f"tokens, {s.get('finished')} requests finished, forward passes {s.get('forward_s')} s of "
-            f"{s.get('step_s')} s stepping; KV blocks in use now {s.get('kv_blocks_used')}/{s.get('kv_blocks_total')}"
-        )
-        if interrupted:
-            return 130
-        return 0 if summary["failed"] == 0 else 1
-    except KeyboardInterrupt:
-        return 130
-    except (RuntimeError, TimeoutError) as e:
-        print(f"weightq demo: {e}", file=sys.stderr)
-        return 1
-    finally:
-        print("weightq demo: stopping", flush=True)
-        stack.stop()
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weightq", description="Celery-native LLM generation, batched by weight.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -425,8 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _worker_parser(sub)
     _gateway_parser(sub)
-    _batch_parser(sub)
-    _stack_parsers(sub)
+    batch_parser(sub)
+    stack_parsers(sub)
     return parser
 
 

@@ -7,6 +7,7 @@ generations finish or go back to the queue), then the Redis it started.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -177,3 +178,87 @@ def stream_chat(base: str, prompt: str, max_tokens: int, headers: dict | None = 
             usage = chunk.get("usage") or usage
     print(flush=True)
     return usage
+
+
+# ----- the `weightq up` and `weightq demo` commands ----------------------------------------------------
+def stack_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "up",
+        help="run the whole stack here: embedded Redis (unless REDIS_URL), a worker, the gateway (and Flower)",
+        description="Embedded Redis unless REDIS_URL is set, one worker, the HTTP gateway on GATEWAY_HOST:GATEWAY_PORT "
+        "(127.0.0.1:8000), and Flower with --flower. Ctrl-C stops everything cleanly.",
+    )
+    p.add_argument("--host", default=None, help="gateway bind address (default GATEWAY_HOST)")
+    p.add_argument("--port", type=int, default=None, help="gateway port (default GATEWAY_PORT)")
+    p.add_argument("--flower", action="store_true", help="also run Flower (FLOWER_BASIC_AUTH=user:pass for auth)")
+    p.add_argument("--flower-port", type=int, default=5555)
+    p.set_defaults(func=cmd_up)
+    d = sub.add_parser(
+        "demo",
+        help="start the stack on the built-in tiny model, stream a completion, run a batch file, stop",
+        description="What `make run` does: the whole stack on MODEL (default builtin:tiny), one streamed chat "
+        "completion through the HTTP gateway, examples/prompts.jsonl as a batch job with its progress bar, "
+        "the summary and the engine's stats; then a clean shutdown.",
+    )
+    d.add_argument("--batch", default=None, help="JSONL requests to run (default examples/prompts.jsonl)")
+    d.set_defaults(func=cmd_demo)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    settings = Settings.from_env()
+    stack = Stack(
+        settings,
+        host=args.host or settings.gateway_host,
+        port=settings.gateway_port if args.port is None else args.port,
+        flower_port=args.flower_port if args.flower else None,
+    )
+    stack.start()
+    return stack.serve()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .batch import format_summary, run_batch
+    from .client import Client
+    from .redis_server import free_port
+
+    settings = Settings.from_env()
+    batch = Path(args.batch) if args.batch else Path(__file__).resolve().parents[1] / "examples" / "prompts.jsonl"
+    home = settings.home / "demo"
+    (home / "logs").mkdir(parents=True, exist_ok=True)
+    stack = Stack(settings, port=free_port(), log_dir=home / "logs", worker_name="demo@%h")
+    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else None
+    print(f"weightq demo: starting Redis, a worker on {settings.model} and the gateway (logs in {home / 'logs'})")
+    try:
+        stack.start()
+        stats = stack.wait_ready()
+        print(
+            f"ready: worker {stats['hostname']} ({stats['model']}, {stats['attention']} attention, "
+            f"max_batch_weight {stats['max_batch_weight']} tokens); gateway {stack.base}\n"
+        )
+        print("== one chat completion, streamed through the gateway's OpenAI API ==")
+        usage = stream_chat(stack.base, "Explain how the batcher admits requests.", 64, headers)
+        print(f"[{usage.get('prompt_tokens')} prompt + {usage.get('completion_tokens')} completion tokens]\n")
+        print(f"== a batch file: {batch} ==")
+        out = home / "results.jsonl"
+        out.unlink(missing_ok=True)
+        summary, interrupted = run_batch(batch, out, Client(stack.url, settings=settings))
+        print(format_summary(summary))
+        print(f"results: {out}\n")
+        time.sleep(1.2)  # the next heartbeat carries the final counters
+        s = stack.worker_stats()
+        print(
+            f"engine: {s.get('steps')} steps, {s.get('prefill_tokens')} prompt + {s.get('decode_tokens')} generated "
+            f"tokens, {s.get('finished')} requests finished, forward passes {s.get('forward_s')} s of "
+            f"{s.get('step_s')} s stepping; KV blocks in use now {s.get('kv_blocks_used')}/{s.get('kv_blocks_total')}"
+        )
+        if interrupted:
+            return 130
+        return 0 if summary["failed"] == 0 else 1
+    except KeyboardInterrupt:
+        return 130
+    except (RuntimeError, TimeoutError) as e:
+        print(f"weightq demo: {e}", file=sys.stderr)
+        return 1
+    finally:
+        print("weightq demo: stopping", flush=True)
+        stack.stop()
