@@ -38,6 +38,7 @@ class Settings:
     kv_cache_mb: int = 512  # CPU KV budget when max_batch_weight is derived from memory
     gpu_memory_fraction: float = 0.85
     batcher_mode: str = "worst_case"  # or "predictive"
+    runner: str = "auto"  # paged | padded | auto (padded for T5/BART and models without the attention interface)
     concurrency: int = 128  # task threads per worker: the most requests one worker holds at once
     task_events: bool = True  # Flower's per-task view; off saves ~a third of the consumer's work per job
     queue: str = "weightq"
@@ -102,6 +103,7 @@ class Settings:
             cpu_kv_bytes=self.kv_cache_mb * 2**20,
             gpu_memory_fraction=self.gpu_memory_fraction,
             mode=self.batcher_mode,  # type: ignore[arg-type]
+            runner=self.runner,  # type: ignore[arg-type]
         )
 
     def resolved_redis_url(self) -> str:

@@ -138,7 +138,8 @@ class Batcher:
 
     def batch_weight(self) -> int:
         """The weight the running requests hold now (their tokens so far, whole prompts included)."""
-        return self.weight.batch([r.context_len for r in self.running.values()])
+        running = self.running.values()
+        return self.weight.batch([r.context_len for r in running], [r.fixed_len for r in running])
 
     def room_for(self) -> int:
         """How many more requests of the typical size (recent admissions' reserved weight) would fit
@@ -236,10 +237,12 @@ class Batcher:
         remaining = req.reserved_new - req.generated
         rest = req.prefill_left - chunk
         if rest <= 0:
-            return Entry(self.step + remaining, req.context_len - self.step, req.reserved_total)
+            return Entry(self.step + remaining, req.context_len - self.step, req.reserved_total, True, req.fixed_len)
         cap = self.config.max_prefill_weight
         delay = -(-(ahead + rest) // cap)  # FIFO: every later step gives earlier prompts the full cap
-        return Entry(self.step + delay + remaining, req.context_len - self.step, req.reserved_total, False)
+        return Entry(
+            self.step + delay + remaining, req.context_len - self.step, req.reserved_total, False, req.fixed_len
+        )
 
     def _get_profile(self) -> TokenProfile | PaddedProfile:
         if self._profile is None:
@@ -250,8 +253,8 @@ class Batcher:
             step = self.step
             for req in self.running.values():
                 if req.decoding:  # the common case, inlined: this runs for every request on every rebuild
-                    inp, gen = req.input_len, req.generated
-                    entries.append(Entry(step + req.reserved_new - gen, inp + gen - step, inp + req.reserved_new))
+                    inp, gen, res = req.input_len, req.generated, req.reserved_new
+                    entries.append(Entry(step + res - gen, inp + gen - step, inp + res, True, req.fixed_len))
                     continue
                 chunk = req.prefill_left
                 if cap:
@@ -262,16 +265,18 @@ class Batcher:
             self._profile = self.weight.profile(entries)
         return self._profile
 
-    def _naive_fits(self, final: int) -> bool:
+    def _naive_fits(self, final: int, fixed_len: int = 0) -> bool:
         """The fast path: does the sum of every final weight, the candidate's included, fit?"""
         if self.weight.name == "token":
             return self._committed + self.weight.seq(final) <= self.budget
-        finals = [r.reserved_total for r in self.running.values()]
-        return (len(finals) + 1) * max(max(finals, default=0), final) <= self.budget
+        running = self.running.values()
+        fixed = max((r.fixed_len for r in running), default=0)
+        rest = max((r.reserved_total - r.fixed_len for r in running), default=0)
+        return (len(running) + 1) * (max(fixed, fixed_len) + max(rest, final - fixed_len)) <= self.budget
 
     def fits(self, req: Request, chunk: int | None = None, ahead: int = 0) -> bool:
         """Could `req` (reservation set) be admitted now without the weight ever exceeding the budget?"""
-        if self._naive_fits(req.reserved_total):
+        if self._naive_fits(req.reserved_total, req.fixed_len):
             self.stats.admitted_fast += 1
             return True
         entry = self._entry(req, req.prefill_left if chunk is None else chunk, ahead)
@@ -289,7 +294,7 @@ class Batcher:
         first_blocked: Request | None = None
         first_idx = 0
         taken: list[int] = []
-        refused: list[tuple[int, int]] = []
+        refused: list[tuple[int, int, int]] = []
         for idx, cand in enumerate(self.waiting):
             if size_cap and len(self.running) >= size_cap:
                 break
@@ -309,13 +314,13 @@ class Batcher:
                     first_blocked, first_idx = cand, idx
                 continue
             cand.reserved_new = self._reserve(cand)
-            ctx, res = cand.context_len, cand.reserved_new
-            # A candidate at least as long in context and reservation as one refused in this pass
-            # is refused too (it weighs at least as much at every step): skip its projection.
-            dominated = any(c <= ctx and r <= res for c, r in refused)
+            ctx, res, fix = cand.context_len, cand.reserved_new, cand.fixed_len
+            # A candidate at least as long in context, reservation and fixed part (and in the rest) as
+            # one refused in this pass is refused too (it weighs at least as much at every step).
+            dominated = any(c <= ctx and r <= res and f <= fix and c - f <= ctx - fix for c, r, f in refused)
             if dominated or not self.fits(cand, chunk, ahead):
                 if not dominated and len(refused) < 16:
-                    refused.append((ctx, res))
+                    refused.append((ctx, res, fix))
                 if first_blocked is None:
                     first_blocked, first_idx = cand, idx
                 continue
@@ -389,4 +394,5 @@ class Batcher:
     def _next_weight(self) -> int:
         """The weight after the next step if every running request emits a token (a prefilling one
         emits with its last chunk, so it is counted as growing too: conservative by at most a block)."""
-        return self.weight.batch([r.context_len + 1 for r in self.running.values()])
+        running = self.running.values()
+        return self.weight.batch([r.context_len + 1 for r in running], [r.fixed_len for r in running])

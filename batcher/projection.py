@@ -21,12 +21,15 @@ class Entry(NamedTuple):
     growing: weight at step T is `offset + T` until `finish` (inclusive), then 0.
     not growing (still prefilling in chunks): counted at `final` until `finish` — an upper bound,
     because its growth starts only when its prompt is fully prefilled.
+    fixed: the part of the weight padded on its own (an encoder-decoder's encoder states): the padded
+    model pads it to the longest fixed part and the rest to the longest rest. Included in offset/final.
     """
 
     finish: int
     offset: int
     final: int
     growing: bool = True
+    fixed: int = 0
 
 
 def ceil_to(n: int, block: int) -> int:
@@ -61,7 +64,7 @@ class TokenProfile(_Profile):
         # Walk finish points from the last: the alive set at point P is every entry finishing at or after P.
         last = None
         for k in range(len(ents) - 1, -1, -1):
-            finish, offset, final, growing = ents[k]
+            finish, offset, final, growing, _ = ents[k]
             if finish != last and last is not None:
                 self._close_point(last, sum_q, n, const, residues, points, loads)
                 sa.append(sum_a)
@@ -156,18 +159,20 @@ class TokenProfile(_Profile):
 
 
 class PaddedProfile(_Profile):
-    """Weight = batch size x padded length; the padded length is the longest live context."""
+    """Weight = batch size x padded length; the padded length is the longest live context, or for
+    encoder-decoder rows the longest fixed (encoder) part plus the longest rest (decoder)."""
 
-    __slots__ = ("_mc", "_mg", "_n")
+    __slots__ = ("_mc", "_mf", "_mg", "_n")
 
     def __init__(self, entries: list[Entry]) -> None:
         ents = sorted(entries, key=_finish)
         points: list[int] = []
         loads: list[int] = []
         n_alive: list[int] = []
-        max_grow: list[int] = []  # suffix max of growing offsets
-        max_const: list[int] = []  # suffix max of constant lengths
-        n, mg, mc = 0, None, 0
+        max_grow: list[int | None] = []  # suffix max of growing offsets (fixed part excluded)
+        max_const: list[int] = []  # suffix max of constant lengths (fixed part excluded)
+        max_fixed: list[int] = []  # suffix max of fixed parts
+        n, mg, mc, mf = 0, None, 0, 0
         i = len(ents) - 1
         while i >= 0:
             p = ents[i].finish
@@ -175,26 +180,28 @@ class PaddedProfile(_Profile):
                 e = ents[i]
                 n += 1
                 if e.growing:
-                    mg = e.offset if mg is None else max(mg, e.offset)
+                    mg = e.offset - e.fixed if mg is None else max(mg, e.offset - e.fixed)
                 else:
-                    mc = max(mc, e.final)
+                    mc = max(mc, e.final - e.fixed)
+                mf = max(mf, e.fixed)
                 i -= 1
-            length = mc if mg is None else max(mg + p, mc)
             points.append(p)
-            loads.append(n * length)
+            loads.append(n * (mf + (mc if mg is None else max(mg + p, mc))))
             n_alive.append(n)
             max_grow.append(mg)
             max_const.append(mc)
-        for arr in (points, loads, n_alive, max_grow, max_const):
+            max_fixed.append(mf)
+        for arr in (points, loads, n_alive, max_grow, max_const, max_fixed):
             arr.reverse()
-        self.points, self.loads, self._n, self._mg, self._mc = points, loads, n_alive, max_grow, max_const
+        self.points, self.loads, self._n = points, loads, n_alive
+        self._mg, self._mc, self._mf = max_grow, max_const, max_fixed
         self._suffix_max = _suffix_max(loads)
 
     def load_at(self, step: int) -> int:
         j = bisect_left(self.points, step)
         if j == len(self.points):
             return 0
-        return self._n[j] * self._length(j, step)
+        return self._n[j] * (self._mf[j] + self._rest(j, step))
 
     def admits(self, c: Entry, budget: int) -> bool:
         points = self.points
@@ -202,16 +209,17 @@ class PaddedProfile(_Profile):
         if self._suffix_max[j] > budget:
             return False
         for k in range(j):
-            own = c.offset + points[k] if c.growing else c.final
-            if (self._n[k] + 1) * max(self._length(k, points[k]), own) > budget:
+            own = c.offset - c.fixed + points[k] if c.growing else c.final - c.fixed
+            if (self._n[k] + 1) * (max(self._mf[k], c.fixed) + max(self._rest(k, points[k]), own)) > budget:
                 return False
         if j and points[j - 1] == c.finish:
             return True
         if j == len(points):
             return c.final <= budget
-        return (self._n[j] + 1) * max(self._length(j, c.finish), c.final) <= budget
+        rest = max(self._rest(j, c.finish), c.final - c.fixed)
+        return (self._n[j] + 1) * (max(self._mf[j], c.fixed) + rest) <= budget
 
-    def _length(self, j: int, step: int) -> int:
+    def _rest(self, j: int, step: int) -> int:
         mg = self._mg[j]
         return self._mc[j] if mg is None else max(mg + step, self._mc[j])
 

@@ -20,7 +20,9 @@ class Request:
     `generated` counts output tokens produced so far; `prefilled` counts context tokens whose KV is
     written. A preempted request keeps `generated` and is prefilled again (input + generated) on
     readmission. `reserved_new` is how many output tokens admission reserves: max_new_tokens in the
-    worst-case mode, an estimate in the predictive mode.
+    worst-case mode, an estimate in the predictive mode. `fixed_len` is the part of the input held
+    in its own padded tensor (an encoder-decoder's encoder states: the whole input); the padded weight
+    model pads it separately from the growing part.
     """
 
     id: str
@@ -33,6 +35,7 @@ class Request:
     decoding: bool = False  # emitted a token since its last (re)admission
     admitted_step: int = -1
     preemptions: int = 0
+    fixed_len: int = 0
 
     @property
     def context_len(self) -> int:

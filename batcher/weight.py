@@ -2,7 +2,9 @@
 
 token:  paged/flash attention. Each sequence holds its tokens rounded up to the KV block size.
 padded: regular attention over a left-padded batch. Every row is as long as the longest context,
-        so the batch weighs batch_size x longest context.
+        so the batch weighs batch_size x longest context. An encoder-decoder row holds two padded
+        parts, its encoder states (`fixed`, padded to the longest) and its decoder cache (padded to the
+        longest): batch_size x (longest fixed + longest rest).
 The admission code is the same for both; only these functions differ.
 """
 
@@ -22,7 +24,7 @@ class TokenWeight:
     def seq(self, tokens: int) -> int:
         return ceil_to(tokens, self.block_size)
 
-    def batch(self, lengths: Sequence[int]) -> int:
+    def batch(self, lengths: Sequence[int], fixed: Sequence[int] = ()) -> int:
         b = self.block_size
         return sum(-(-n // b) for n in lengths) * b
 
@@ -41,8 +43,11 @@ class PaddedWeight:
     def seq(self, tokens: int) -> int:
         return tokens
 
-    def batch(self, lengths: Sequence[int]) -> int:
-        return len(lengths) * max(lengths, default=0)
+    def batch(self, lengths: Sequence[int], fixed: Sequence[int] = ()) -> int:
+        if not any(fixed):
+            return len(lengths) * max(lengths, default=0)
+        rest = max(n - f for n, f in zip(lengths, fixed, strict=True))
+        return len(lengths) * (max(fixed) + rest)
 
     def prefill(self, count: int, longest: int, total: int) -> int:
         """A padded prefill computes every row at the longest prompt's length."""

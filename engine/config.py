@@ -14,12 +14,17 @@ class EngineConfig:
         CUDA memory after loading).
     max_total_tokens / max_input_length: 0 means the model's context limit (and that minus one).
     block_size: 0 picks 16 for SDPA and 256 for flash-attn (its paged kernels need multiples of 256).
+    runner: "paged" (KV blocks, packed steps) for decoder-only models on transformers' attention
+        interface; "padded" (left-padded batch, the model's own cache) for everything else, e.g.
+        T5/BART; "auto" picks per model. The padded runner's weight is rows x padded length, and its
+        budget, unless set, comes from measuring its memory per weight unit at start-up.
     """
 
     model: str = "builtin:tiny"
     device: str = "auto"
     dtype: str = "auto"
     attention: Literal["auto", "sdpa", "flash"] = "auto"
+    runner: Literal["auto", "paged", "padded"] = "auto"
     block_size: int = 0
     max_batch_weight: int | None = None
     max_batch_size: int = 0

@@ -22,7 +22,7 @@ from .detokenizer import IncrementalDetokenizer, StopMatcher, push_many
 from .handle import Handle
 from .models import LoadedModel
 from .params import Event, FinishEvent, FinishReason, GenerationRequest, InvalidRequest, TokenEvent
-from .runner import ModelRunner, Work
+from .runner import Work
 from .sampling import sample
 from .sequence import Sequence
 from .setup import build, on_fresh_thread
@@ -40,10 +40,9 @@ class Engine:
     ) -> None:
         self.config = cfg = config or EngineConfig()
         parts = on_fresh_thread(lambda: build(cfg, loaded))  # see on_fresh_thread: keeps torch fast on our thread
-        self.backend, self.lm, self.cache, self.batcher = parts.backend, parts.lm, parts.cache, parts.batcher
+        self.backend, self.lm, self.runner, self.batcher = parts.backend, parts.lm, parts.runner, parts.batcher
         self.kv_derivation, self.max_input_length = parts.kv_derivation, parts.max_input_length
         self.tokenizer = self.lm.tokenizer
-        self.runner = on_fresh_thread(lambda: ModelRunner(self.lm.model, self.cache, self.backend, self.lm.device))
         self.sink = sink
         self.seqs: dict[str, Sequence] = {}
         self._handles: dict[str, Handle] = {}
@@ -133,7 +132,7 @@ class Engine:
             raise InvalidRequest("messages", f"the chat template refused them: {e}") from None
 
     def stats(self) -> dict:
-        b, c = self.batcher, self.cache
+        b = self.batcher
         return {
             "running": len(b.running),
             "waiting": len(b.waiting),
@@ -141,14 +140,13 @@ class Engine:
             "max_batch_weight": b.budget,
             "max_input_length": self.max_input_length,
             "max_total_tokens": b.config.max_total_tokens,
-            "kv_blocks_used": c.used_blocks,
-            "kv_blocks_total": c.num_blocks,
-            "block_size": c.block_size,
+            **self.runner.memory(),
             "prefill_tok_s": round(self._rate["prefill_tok_s"], 1),
             "decode_tok_s": round(self._rate["decode_tok_s"], 1),
             **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in self.counters.items()},
             "model": self.config.model,
             "attention": self.backend,
+            "runner": self.lm.runner,
             "mode": self.config.mode,
         }
 
@@ -183,8 +181,9 @@ class Engine:
         self._drain()
         now = time.monotonic()
         plan = self.batcher.schedule(now)
+        runner = self.runner
         for req in plan.preempted:
-            self.cache.release(self.seqs[req.id].block_table)
+            runner.release(self.seqs[req.id])
         if not plan:
             return False
         seqs = self.seqs
@@ -195,18 +194,16 @@ class Engine:
         prefill: list[Work] = []
         for req, n in plan.prefill:
             seq = seqs[req.id]
-            self.cache.ensure(seq.block_table, req.prefilled + n)
+            runner.ensure(seq, req.prefilled + n)
             prefill.append(Work(seq, req.prefilled, n, req.prefilled + n == req.context_len))
         decode: list[Work] = []
-        block = self.cache.block_size
         for req in plan.decode:
             seq = seqs[req.id]
-            if req.prefilled >= len(seq.block_table) * block:  # the new token starts a block
-                self.cache.ensure(seq.block_table, req.prefilled + 1)
+            runner.ensure(seq, req.prefilled + 1)
             decode.append(Work(seq, req.prefilled, 1, True))
         model_before = self.runner.model_s
         try:
-            logits = self.runner.forward(prefill, decode)
+            logits = runner.forward(prefill, decode)
         except Exception as e:
             logits = self._isolate(prefill, decode, e)
         fwd = self.runner.model_s - model_before
@@ -251,7 +248,9 @@ class Engine:
             raise InvalidRequest("prompt", "must not be empty")
         if len(ids) > self.max_input_length:
             raise InvalidRequest("prompt", f"{len(ids)} tokens exceeds max_input_length {self.max_input_length}")
-        sched = Request(request.id, len(ids), params.max_new_tokens, arrival_s=now)
+        # An encoder-decoder's input is its encoder's: padded on its own, the batcher's fixed part.
+        fixed = len(ids) if self.lm.seq2seq else 0
+        sched = Request(request.id, len(ids), params.max_new_tokens, arrival_s=now, fixed_len=fixed)
         self.batcher.check(sched)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         return Sequence(
@@ -322,7 +321,7 @@ class Engine:
                 self.batcher.cancel(rid)
         else:
             self.batcher.cancel(rid)
-        self.cache.release(seq.block_table)
+        self.runner.release(seq)
         del self.seqs[rid]
         self.counters["finished"] += 1
         now = time.monotonic()
@@ -395,10 +394,7 @@ class Engine:
             r["t"], r["prefill"], r["decode"] = now, 0, 0
 
     def _check_invariants(self) -> None:
-        held = sum(len(s.block_table) for s in self.seqs.values())
-        assert held == self.cache.used_blocks, f"blocks held {held} != used {self.cache.used_blocks}"
         assert self.batcher.batch_weight() <= self.batcher.budget, "batch weight over budget"
+        self.runner.check(list(self.seqs.values()), self.batcher.budget)
         for seq in self.seqs.values():
-            r = seq.sched
-            assert len(seq.block_table) * self.cache.block_size >= r.prefilled, f"{seq.id}: KV beyond its blocks"
-            assert len(seq.token_ids) == r.context_len, f"{seq.id}: tokens out of step with the batcher"
+            assert len(seq.token_ids) == seq.sched.context_len, f"{seq.id}: tokens out of step with the batcher"

@@ -8,13 +8,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+import torch
+
 from batcher import Batcher, BatcherConfig, ConfigError
 
 from .attention import register
 from .config import EngineConfig
 from .flash import available as flash_available
 from .kv_cache import KVCache, derive_capacity
-from .models import LoadedModel, load_model, resolve_device
+from .models import LoadedModel, choose_runner, load_model, resolve_device
+from .padded import PaddedRunner, measure_padded
+from .runner import ModelRunner
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -49,14 +53,15 @@ def on_fresh_thread(fn: Callable[[], T]) -> T:
 class EngineParts:
     backend: str
     lm: LoadedModel
-    cache: KVCache
+    runner: ModelRunner | PaddedRunner
     batcher: Batcher
     kv_derivation: str
     max_input_length: int
 
 
 def build(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
-    """Pick the attention backend, load the model, size the KV pool (logged) and the batcher on it."""
+    """Load the model, pick its runner and attention backend, size the KV memory (logged) and put
+    the batcher on it."""
     device = resolve_device(cfg.device)
     backend = cfg.attention
     if backend == "auto":
@@ -64,14 +69,28 @@ def build(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
     if backend == "flash" and not flash_available():
         raise ConfigError("attention='flash' needs CUDA and the flash-attn package (pip install weightq[cuda])")
     attn_name = register(backend)
-    lm = loaded or load_model(
-        cfg.model, device=cfg.device, dtype=cfg.dtype, attn_implementation=attn_name, allow_download=cfg.allow_download
-    )
+    try:
+        lm = loaded or load_model(
+            cfg.model,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            attn_implementation=attn_name,
+            allow_download=cfg.allow_download,
+            runner=cfg.runner,
+        )
+        kind = choose_runner(lm.model.config, cfg.runner)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    max_total = min(cfg.max_total_tokens or lm.context_limit, lm.context_limit)
+    max_input = min(cfg.max_input_length or max_total - 1, max_total - 1)
+    if kind == "padded":
+        if loaded is not None:
+            lm.model.set_attn_implementation("sdpa" if lm.model._supports_sdpa else "eager")
+        lm.runner = "padded"
+        return _build_padded(cfg, lm, max_total, max_input)
     if loaded is not None:
         lm.model.set_attn_implementation(attn_name)
     block = cfg.block_size or (256 if backend == "flash" else 16)
-    max_total = min(cfg.max_total_tokens or lm.context_limit, lm.context_limit)
-    max_input = min(cfg.max_input_length or max_total - 1, max_total - 1)
     weight = cfg.max_batch_weight
     if weight is None and cfg.max_batch_size:
         weight = cfg.max_batch_size * -(-max_total // block) * block
@@ -84,6 +103,8 @@ def build(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
         gpu_memory_fraction=cfg.gpu_memory_fraction,
     )
     log.info("KV cache: %s", why)
+    cache = KVCache(lm.geometry, blocks, block, lm.device)
+    runner = ModelRunner(lm.model, cache, backend, lm.device)
     try:
         batcher = Batcher(
             BatcherConfig(
@@ -101,4 +122,46 @@ def build(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
         )
     except ConfigError as e:
         raise ConfigError(f"{e} (KV cache: {why})") from e
-    return EngineParts(backend, lm, KVCache(lm.geometry, blocks, block, lm.device), batcher, why, max_input)
+    return EngineParts(backend, lm, runner, batcher, why, max_input)
+
+
+def _build_padded(cfg: EngineConfig, lm: LoadedModel, max_total: int, max_input: int) -> EngineParts:
+    if cfg.mode != "worst_case":
+        raise ConfigError("mode: the padded runner supports worst_case only (predictive mode preempts)")
+    tok = lm.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else getattr(lm.model.config, "pad_token_id", None)
+    runner = PaddedRunner(lm.model, lm.device, pad_id=pad or 0, decoder_start_id=lm.decoder_start_id)
+    weight = cfg.max_batch_weight
+    if weight:
+        why = f"max_batch_weight={weight} set explicitly"
+    elif cfg.max_batch_size:
+        weight = cfg.max_batch_size * max_total
+        why = f"max_batch_size {cfg.max_batch_size} x max_total_tokens {max_total}"
+    else:
+        per_unit, how = measure_padded(runner, lm)
+        if lm.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(lm.device)
+            budget = int(free * cfg.gpu_memory_fraction)
+            where = f"{cfg.gpu_memory_fraction:.0%} of {free / 2**30:.2f} GiB free on {lm.device}"
+        else:
+            budget, where = cfg.cpu_kv_bytes, f"cpu_kv_bytes={cfg.cpu_kv_bytes / 2**20:.0f} MiB"
+        weight = int(budget // per_unit)
+        why = f"{where} / {per_unit:.0f} B per weight unit ({how})"
+    log.info("padded batch: max_batch_weight %d (%s)", weight, why)
+    try:
+        batcher = Batcher(
+            BatcherConfig(
+                max_batch_weight=weight,
+                max_batch_size=cfg.max_batch_size,
+                max_total_tokens=max_total,
+                max_prefill_weight=cfg.max_prefill_weight,
+                chunked_prefill=False,
+                weight_model="padded",
+                jump_window_s=cfg.jump_window_s,
+                max_wait_s=cfg.max_wait_s,
+            )
+        )
+    except ConfigError as e:
+        raise ConfigError(f"{e} (padded batch: {why})") from e
+    runner.budget = batcher.budget
+    return EngineParts("padded", lm, runner, batcher, f"{weight} padded weight units ({why})", max_input)

@@ -54,7 +54,7 @@ def test_flash_backend_matches_generate_in_bf16(tiny_path):
             check_invariants=True,
         )
     )
-    assert engine.backend == "flash" and engine.cache.block_size == 256
+    assert engine.backend == "flash" and engine.runner.cache.block_size == 256
     reqs = mixed_requests(24, seed=6)
     assert_greedy_equal(reference, reqs, engine.generate(reqs), tie=BF16_TIE)
 

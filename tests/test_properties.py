@@ -21,13 +21,14 @@ SETTINGS = settings(
 
 
 @st.composite
-def entries(draw, max_n=12):
+def entries(draw, max_n=12, fixed=False):
     out = []
     for _ in range(draw(st.integers(0, max_n))):
         context = draw(st.integers(1, 60))
         remaining = draw(st.integers(1, 60))
         delay = draw(st.sampled_from([0, 0, 0, draw(st.integers(1, 5))]))
-        out.append(Entry(delay + remaining, context, context + remaining, growing=delay == 0))
+        fix = draw(st.integers(0, context)) if fixed else 0  # encoder-decoder rows: the encoder part
+        out.append(Entry(delay + remaining, context, context + remaining, delay == 0, fix))
     return out
 
 
@@ -36,7 +37,10 @@ def brute_load(ents: list[Entry], model: str, block: int, t: int) -> int:
     lengths = [e.offset + t if e.growing else e.final for e in alive]
     if model == "token":
         return sum(ceil_to(n, block) for n in lengths)
-    return len(lengths) * max(lengths, default=0)
+    if not alive:
+        return 0
+    fixed = [e.fixed for e in alive]  # padded separately: longest fixed part + longest rest
+    return len(alive) * (max(fixed) + max(n - f for n, f in zip(lengths, fixed, strict=True)))
 
 
 def brute_peak(ents, model, block):
@@ -62,6 +66,17 @@ def test_profile_is_exact(ents, cand, model, block, budget):
         assert profile.admits(cand[0], budget) == expected
 
 
+@SETTINGS
+@given(ents=entries(fixed=True), cand=entries(max_n=1, fixed=True), budget=st.integers(50, 1500))
+def test_padded_profile_with_encoder_parts_is_exact(ents, cand, budget):
+    profile = weight_model("padded").profile(ents)
+    assert profile.peak() == brute_peak(ents, "padded", 1)
+    for t in (0, 1, 7, 30, 61):
+        assert profile.load_at(t) == brute_load(ents, "padded", 1, t)
+    if cand:
+        assert profile.admits(cand[0], budget) == (brute_peak([*ents, cand[0]], "padded", 1) <= budget)
+
+
 @st.composite
 def workloads(draw):
     model = draw(st.sampled_from(["token", "padded"]))
@@ -81,12 +96,15 @@ def workloads(draw):
         max_wait_s=draw(st.sampled_from([0.5, 2.0, 1e9])),
     )
     reqs, stop_at = [], {}
+    seq2seq = draw(st.booleans())
     t = 0.0
     for i in range(draw(st.integers(1, 25))):
         t += draw(st.sampled_from([0.0, 0.05, 0.3, 1.0]))
         inp = draw(st.integers(1, max_total - 1))
         new = draw(st.integers(1, max_total - inp))
-        reqs.append(Request(str(i), inp, new, arrival_s=t))
+        # Padded: some workloads are encoder-decoder (the whole input is the encoder's fixed part).
+        fixed = inp if model == "padded" and seq2seq else 0
+        reqs.append(Request(str(i), inp, new, arrival_s=t, fixed_len=fixed))
         if draw(st.booleans()):
             stop_at[str(i)] = draw(st.integers(1, new))
     return cfg, reqs, stop_at

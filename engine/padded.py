@@ -1,0 +1,353 @@
+"""The padded runner: continuous batching for models that cannot use the paged attention backend.
+
+The running batch is one set of left-padded tensors and the model's own cache. Every step:
+finished or cancelled rows are sliced out and padding no row needs any more is trimmed; the
+running rows decode one token together; admitted requests are prefilled on their own (an
+encoder-decoder runs its encoder here, once per request) and their caches padded and concatenated
+into the batch. Decoder caches are left-padded (real tokens right-aligned, so one new column serves
+every row); encoder states and cross-attention caches are right-padded and masked.
+
+Its memory is rows x padded length (decoder-only) or rows x (longest input + longest decoder
+length) (encoder-decoder): the batcher's padded weight model, with the input as the fixed part.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .padded_state import Columns, WindowLayer
+from .runner import Work
+
+
+class RowPositions(nn.Module):
+    """A BART-style learned decoder position embedding that reads per-row positions.
+
+    BART's decoder numbers positions from the cache length, the same for every row; in a
+    left-padded batch each row's real tokens start at a different column, so the runner sets
+    `start` (each row's position of its first fed token) before every forward."""
+
+    def __init__(self, inner: nn.Embedding) -> None:
+        super().__init__()
+        self.inner = inner
+        self.start: torch.Tensor | None = None
+
+    def forward(self, input_ids: torch.Tensor, cache_length: int = 0, position_ids: torch.Tensor | None = None):
+        if self.start is None:
+            return self.inner(input_ids, cache_length, position_ids=position_ids)
+        steps = torch.arange(input_ids.shape[1], device=self.start.device)
+        pos = (self.start[:, None] + steps[None, :]).clamp(min=0)
+        return F.embedding(pos + getattr(self.inner, "offset", 0), self.inner.weight)
+
+
+def patch_decoder_positions(model: nn.Module) -> RowPositions | None:
+    """Install RowPositions on a decoder with absolute learned positions; None when the decoder has
+    none (T5: relative position buckets, unchanged by left padding). Unknown kinds are refused."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if get_decoder is not None else None
+    emb = getattr(decoder, "embed_positions", None)
+    if emb is None:
+        return None
+    if isinstance(emb, RowPositions):
+        return emb
+    if not isinstance(emb, nn.Embedding):
+        raise NotImplementedError(
+            f"{type(model).__name__}: decoder positions of type {type(emb).__name__} cannot be set per row; "
+            "the padded runner serves T5-style (relative) and BART-style (learned) decoders"
+        )
+    decoder.embed_positions = RowPositions(emb)
+    return decoder.embed_positions
+
+
+class PaddedRunner:
+    """Same contract as the paged ModelRunner: forward(prefill, decode) -> logits of the emitting
+    works, prefill first; release(seq) when a sequence leaves."""
+
+    def __init__(self, model: nn.Module, device: torch.device, *, pad_id: int, decoder_start_id: int | None) -> None:
+        self.model = model
+        self.device = device
+        self.seq2seq = bool(getattr(model.config, "is_encoder_decoder", False))
+        self.pad_id = pad_id
+        self.start_id = decoder_start_id
+        if self.seq2seq and decoder_start_id is None:
+            raise ValueError("an encoder-decoder model needs decoder_start_token_id in its config")
+        self.positions = patch_decoder_positions(model) if self.seq2seq else None
+        self.ids: list[str] = []  # row i of every tensor belongs to ids[i]
+        self.pos: list[int] = []  # position of each row's next decoder token
+        self.dec: Columns | None = None  # decoder mask, then K and V of every self-attention layer
+        self.enc: Columns | None = None  # encoder mask, encoder states, then K and V of every cross layer
+        self.cache = None  # the transformers Cache over the windows
+        self._layers: list[WindowLayer] = []
+        self._drop: set[str] = set()
+        self.model_s = 0.0
+        self.budget = 0  # set by the builder once the batch weight is known (for stats)
+
+    # ----- memory ---------------------------------------------------------------------------------
+    def ensure(self, seq, tokens: int) -> None:
+        """Nothing to reserve: rows join the preallocated batch (the batcher bounds its weight)."""
+
+    def release(self, seq) -> None:
+        """Drop the sequence's row before the next forward (all rows at once when none stays)."""
+        if seq.id not in self.ids:
+            return
+        self._drop.add(seq.id)
+        if len(self._drop) == len(self.ids):
+            self._reset()
+
+    def _reset(self) -> None:
+        self.ids, self.pos, self._drop = [], [], set()
+        self.dec = self.enc = self.cache = None
+        self._layers = []
+
+    @property
+    def rows(self) -> list[str] | None:
+        return [r for r in self.ids if r not in self._drop] or None
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.ids) - len(self._drop)
+
+    def weight(self) -> int:
+        """Padded weight held now: rows x (encoder length + decoder length), after pending drops."""
+        self._compact()
+        return self._held(len(self.ids))
+
+    def _held(self, rows: int) -> int:
+        if self.dec is None:
+            return 0
+        return rows * (self.dec.width + (self.enc.width if self.enc is not None else 0))
+
+    def memory(self) -> dict:
+        """Stats in the paged runner's terms: a "block" is one padded weight unit (one token)."""
+        held = self._held(self.num_rows) if self.dec is not None else 0
+        return {"kv_blocks_used": held, "kv_blocks_total": self.budget, "block_size": 1}
+
+    def check(self, seqs: list, budget: int) -> None:
+        """Invariants after a step (tests): the rows are the live prefilled sequences, and the padded
+        weight the tensors really hold is within the budget."""
+        live = {s.id for s in seqs if s.sched.prefilled}
+        rows = set(self.ids) - self._drop
+        assert rows == live, f"padded rows {sorted(rows)} != live sequences {sorted(live)}"
+        held = self.weight()
+        assert held <= budget, f"padded weight {held} > budget {budget}"
+
+    def state_bytes(self, allocated: bool = False) -> int:
+        """Bytes of the batch's tensors (caches, masks, encoder states): the live windows, or
+        everything allocated (with the slack that lets rows join without copying the batch)."""
+        groups = [c for c in (self.dec, self.enc) if c is not None]
+        return sum(c.nbytes() if allocated else c.live_bytes() for c in groups)
+
+    @torch.inference_mode()
+    def _compact(self) -> None:
+        """Remove dropped rows (the last rows move into their places) and trim padding nobody needs."""
+        if not self._drop or self.dec is None:
+            return
+        drop = [i for i, rid in enumerate(self.ids) if rid in self._drop]
+        self._drop = set()
+        for group in (self.dec, self.enc):
+            if group is not None:
+                group.remove_rows(drop)
+        for i in sorted(drop, reverse=True):
+            self.ids[i], self.pos[i] = self.ids[-1], self.pos[-1]
+            self.ids.pop()
+            self.pos.pop()
+        dec_mask = self.dec.view(0)
+        self.dec.shrink_to(int(dec_mask.sum(1).max()))  # real tokens are right-aligned
+        if self.enc is not None:
+            self.enc.shrink_to(int(self.enc.view(0).sum(1).max()))  # ... and left-aligned here
+        self._refresh()
+
+    def _refresh(self) -> None:
+        for layer in self._layers:
+            layer.refresh()
+
+    # ----- the step -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, prefill: list[Work], decode: list[Work]) -> torch.Tensor:
+        self._compact()
+        t0 = time.perf_counter()
+        parts: list[torch.Tensor] = []
+        new = None
+        if prefill:
+            logits, new = self._prefill(prefill)
+            parts.append(logits)
+        if decode:
+            parts.append(self._decode(decode))
+        elif self.ids:
+            raise RuntimeError("padded runner: running rows left out of a step")
+        if new is not None:
+            self._merge(*new)
+        out = torch.cat(parts) if len(parts) > 1 else parts[0]
+        out = out.float()
+        if out.is_cuda:
+            torch.cuda.synchronize(out.device)
+        self.model_s += time.perf_counter() - t0
+        return out
+
+    def _decode(self, decode: list[Work]) -> torch.Tensor:
+        if not self.ids:
+            raise RuntimeError("padded runner: decode without a running batch")
+        where = {rid: i for i, rid in enumerate(self.ids)}
+        if len(decode) != len(self.ids) or any(w.seq.id not in where for w in decode):
+            raise RuntimeError("padded runner: the decode set differs from the running rows")
+        tokens = [0] * len(self.ids)
+        for w in decode:
+            tokens[where[w.seq.id]] = w.seq.token_ids[w.start]
+        n = len(self.ids)
+        ids = torch.tensor(tokens, device=self.device)[:, None]
+        pos = torch.tensor(self.pos, device=self.device)
+        dec = self.dec
+        dec.reserve_columns(1)
+        self._refresh()
+        mask = dec.append_column(0, torch.ones(n, 1, dtype=torch.long, device=self.device))
+        try:
+            if self.seq2seq:
+                enc = self.enc
+                out = self._run_decoder(ids, mask, pos, self.cache, enc.view(1), enc.view(0))
+            else:
+                out = self.model(
+                    input_ids=ids, attention_mask=mask, position_ids=pos[:, None], cache=self.cache, use_cache=True
+                )
+        except BaseException:
+            self._refresh()  # the layers' windows went one column ahead: back to the batch's
+            raise
+        dec.advance(1)
+        self._refresh()
+        self.pos = [p + 1 for p in self.pos]
+        logits = out.logits[:, -1]
+        order = torch.tensor([where[w.seq.id] for w in decode], device=self.device)
+        return logits.index_select(0, order)
+
+    def _prefill(self, prefill: list[Work]):
+        for w in prefill:
+            if w.start != 0 or not w.emits:
+                raise RuntimeError("padded runner: prompts are prefilled whole (chunked prefill is off)")
+        if self.seq2seq:
+            return self._prefill_seq2seq(prefill)
+        from transformers import DynamicCache
+
+        feeds = [w.seq.token_ids[: w.n] for w in prefill]
+        ids, mask = self._left_pad(feeds)
+        position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1
+        )
+        dec = [mask] + [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        return out.logits[:, -1], (prefill, feeds, dec, None)
+
+    def _prefill_seq2seq(self, prefill: list[Work]):
+        from transformers import DynamicCache, EncoderDecoderCache
+
+        prompts = [w.seq.token_ids[: w.seq.prompt_len] for w in prefill]
+        s = max(map(len, prompts))
+        enc_ids = torch.full((len(prompts), s), self.pad_id, dtype=torch.long)
+        enc_mask = torch.zeros((len(prompts), s), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            enc_ids[i, : len(p)] = torch.tensor(p)
+            enc_mask[i, : len(p)] = 1
+        enc_ids, enc_mask = enc_ids.to(self.device), enc_mask.to(self.device)
+        states = self.model.get_encoder()(input_ids=enc_ids, attention_mask=enc_mask).last_hidden_state
+        # The decoder starts from its start token; a readmitted request re-feeds what it generated.
+        feeds = [[self.start_id, *w.seq.token_ids[w.seq.prompt_len : w.n]] for w in prefill]
+        dec_ids, dec_mask = self._left_pad(feeds)
+        starts = torch.tensor([len(f) - dec_ids.shape[1] for f in feeds], device=self.device)
+        cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        out = self._run_decoder(dec_ids, dec_mask, starts, cache, states, enc_mask)
+        sa, ca = cache.self_attention_cache.layers, cache.cross_attention_cache.layers
+        dec = [dec_mask] + [t for layer in sa for t in (layer.keys, layer.values)]
+        enc = [enc_mask, states] + [t for layer in ca for t in (layer.keys, layer.values)]
+        return out.logits[:, -1], (prefill, feeds, dec, enc)
+
+    def _run_decoder(self, ids, mask, starts, cache, states, enc_mask):
+        from transformers.modeling_outputs import BaseModelOutput
+
+        if self.positions is not None:
+            self.positions.start = starts
+        try:
+            return self.model(
+                encoder_outputs=BaseModelOutput(last_hidden_state=states),
+                attention_mask=enc_mask,
+                decoder_input_ids=ids,
+                decoder_attention_mask=mask,
+                cache=cache,
+                use_cache=True,
+            )
+        finally:
+            if self.positions is not None:
+                self.positions.start = None
+
+    def _left_pad(self, feeds: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        n = max(map(len, feeds))
+        ids = torch.full((len(feeds), n), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(feeds), n), dtype=torch.long)
+        for i, f in enumerate(feeds):
+            ids[i, n - len(f) :] = torch.tensor(f)
+            mask[i, n - len(f) :] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    def _merge(self, prefill: list[Work], feeds: list[list[int]], dec: list, enc: list | None) -> None:
+        """Copy freshly prefilled rows into the batch's buffers (only their rows are copied)."""
+        from transformers import DynamicCache, EncoderDecoderCache
+
+        if self.dec is None:
+            self.dec = Columns([1] + [2] * (len(dec) - 1), right_aligned=True)
+            self.dec.add_rows(dec)
+            self._layers = [WindowLayer(self.dec, i) for i in range(1, len(dec), 2)]
+            self_cache = DynamicCache()
+            self_cache.layers, self_cache.layer_class_to_replicate = list(self._layers), None
+            self.cache = self_cache
+            if enc is not None:
+                self.enc = Columns([1, 1] + [2] * (len(enc) - 2), right_aligned=False)
+                self.enc.add_rows(enc)
+                cross = [WindowLayer(self.enc, i) for i in range(2, len(enc), 2)]
+                self._layers += cross
+                cross_cache = DynamicCache()
+                cross_cache.layers, cross_cache.layer_class_to_replicate = cross, None
+                self.cache = EncoderDecoderCache(self_cache, cross_cache)
+        else:
+            self.dec.add_rows(dec)
+            if self.enc is not None:
+                self.enc.add_rows(enc)
+        self.ids += [w.seq.id for w in prefill]
+        self.pos += [len(f) for f in feeds]
+        self._refresh()
+
+
+@dataclass(slots=True, eq=False)
+class _Probe:
+    id: str
+    token_ids: list[int]
+    prompt_len: int
+
+
+def measure_padded(runner: PaddedRunner, lm, rows: int = 4, length: int = 32, steps: int = 4) -> tuple[float, str]:
+    """Bytes of memory per padded weight unit, measured on a short warm-up batch: the tensors the
+    batch holds (caches, masks, encoder states) and, on CUDA, the peak allocation of its steps."""
+    vocab = int(getattr(lm.model.config, "vocab_size", 0) or len(lm.tokenizer))
+    probes = [_Probe(f"probe-{i}", [(31 * i + 7 * j + 3) % vocab for j in range(length)], length) for i in range(rows)]
+    cuda = lm.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(lm.device)
+        base = torch.cuda.memory_allocated(lm.device)
+        torch.cuda.reset_peak_memory_stats(lm.device)
+    runner.forward([Work(p, 0, length, True) for p in probes], [])
+    for _ in range(steps):
+        for p in probes:
+            p.token_ids.append(1)
+        runner.forward([], [Work(p, len(p.token_ids) - 1, 1, True) for p in probes])
+    weight, state = runner.weight(), runner.state_bytes()
+    per_unit = state / weight
+    how = f"warm-up of {rows} rows: {state} B held at weight {weight}"
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(lm.device) - base
+        per_unit = max(per_unit, peak / weight)
+        how += f", peak {peak} B"
+    for p in probes:
+        runner.release(p)
+    runner.model_s = 0.0
+    return per_unit, how

@@ -1,0 +1,193 @@
+"""The padded runner: T5, BART and GPT-2 style models built tiny and locally, against generate()."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from transformers import (
+    AutoTokenizer,
+    BartConfig,
+    BartForConditionalGeneration,
+    GPT2Config,
+    GPT2LMHeadModel,
+    T5Config,
+    T5ForConditionalGeneration,
+)
+
+from batcher import ConfigError
+from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+from engine.builtin import shape_t5
+from tests.test_engine import NEAR_TIE
+
+
+def _t5(v: int, ids: dict):
+    small = dict(d_model=128, d_ff=256, num_layers=2, num_decoder_layers=2, num_heads=4, d_kv=32)
+    config = T5Config(vocab_size=v, initializer_factor=3.0, tie_word_embeddings=False, **small, **ids)
+    model = T5ForConditionalGeneration(config)
+    shape_t5(model)  # diverse output, well-conditioned (see engine/builtin.py)
+    return model
+
+
+def _bart(v: int, ids: dict):
+    heads = dict(encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=256, decoder_ffn_dim=256)
+    config = BartConfig(
+        vocab_size=v, d_model=128, encoder_layers=2, decoder_layers=2, max_position_embeddings=512, init_std=0.3,
+        forced_eos_token_id=None, **heads, **ids,
+    )  # fmt: skip
+    return BartForConditionalGeneration(config)
+
+
+def _gpt2(v: int, ids: dict):
+    config = GPT2Config(vocab_size=v, n_positions=512, n_embd=128, n_layer=2, n_head=4, initializer_range=0.1)
+    config.eos_token_id = ids["eos_token_id"]
+    return GPT2LMHeadModel(config)
+
+
+FAMILIES = {"t5": _t5, "bart": _bart, "gpt2": _gpt2}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def model_dir(request, tmp_path_factory, tiny_path):
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = FAMILIES[request.param](len(tok), ids)
+    out = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def requests(n: int, seed: int = 0) -> list[GenerationRequest]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        plen = rng.choice([1, 3, rng.randint(4, 40), rng.randint(40, 120)])
+        new = rng.choice([1, rng.randint(2, 30), rng.randint(30, 90)])
+        ids = [rng.randrange(10, 1100) for _ in range(plen)]
+        out.append(GenerationRequest(f"r{i}", prompt_token_ids=ids, params=SamplingParams(max_new_tokens=new)))
+    return out
+
+
+def reference(model, req: GenerationRequest) -> list[int]:
+    ids = torch.tensor([req.prompt_token_ids])
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=req.params.max_new_tokens, do_sample=False)
+    return out[0, 1 if model.config.is_encoder_decoder else ids.shape[1] :].tolist()
+
+
+def assert_matches(model, req, got: list[int], want: list[int]) -> None:
+    """Token-for-token equality, except at a near-tie of the reference (batching noise)."""
+    if got == want:
+        return
+    k = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+    seq2seq = model.config.is_encoder_decoder
+    with torch.no_grad():
+        if seq2seq:
+            start = model.generation_config.decoder_start_token_id
+            dec = torch.tensor([[start, *want[:k]]])
+            logits = model(input_ids=torch.tensor([req.prompt_token_ids]), decoder_input_ids=dec).logits[0, -1]
+        else:
+            logits = model(torch.tensor([req.prompt_token_ids + want[:k]])).logits[0, -1]
+    top = logits.topk(2).values
+    assert float(top[0] - top[1]) < NEAR_TIE, f"{req.id}: diverged at token {k}: {got[k : k + 5]} vs {want[k : k + 5]}"
+
+
+def padded_engine(model_dir, **kw) -> Engine:
+    cfg = dict(
+        model=str(model_dir), device="cpu", runner="padded", max_batch_weight=1500, max_total_tokens=220,
+        max_prefill_weight=400, check_invariants=True,  # the padded weight the tensors hold, every step
+    )  # fmt: skip
+    return Engine(EngineConfig(**{**cfg, **kw}))
+
+
+def test_greedy_matches_generate_as_requests_join_and_leave(model_dir):
+    engine = padded_engine(model_dir)
+    reqs = requests(36)
+    admitted_at: dict[str, int] = {}
+    original = engine.batcher.schedule
+
+    def spy(now):
+        plan = original(now)
+        admitted_at.update((r.id, engine.batcher.step) for r in plan.admitted)
+        return plan
+
+    engine.batcher.schedule = spy
+    held: list[int] = []
+    step = engine.step
+
+    def counting_step():
+        worked = step()
+        held.append(engine.runner.weight())
+        return worked
+
+    engine.step = counting_step
+    results = engine.generate(reqs)
+    model = engine.lm.model
+    for req, res in zip(reqs, results, strict=True):
+        assert res.reason in ("length", "eos"), (req.id, res.error)
+        assert_matches(model, req, list(res.token_ids), reference(model, req))
+    assert len(set(admitted_at.values())) > 5, "requests should join the batch at many different steps"
+    assert engine.batcher.stats.rejected_projected > 0, "the budget never made anyone wait"
+    assert 0 < max(held) <= engine.batcher.budget
+    assert engine.runner.rows is None and engine.stats()["kv_blocks_used"] == 0
+    distinct = {t for r in results for t in r.token_ids}
+    assert len(distinct) > 30, "random weights collapsed: equality would mean little"
+
+
+def test_cancelling_one_request_mid_batch_leaves_the_others_unchanged(model_dir):
+    engine = padded_engine(model_dir, max_batch_weight=4000)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    reqs = [GenerationRequest(r.id, prompt_token_ids=r.prompt_token_ids, params=params) for r in requests(8, seed=3)]
+    victim = reqs[2]
+    handles = [engine.submit(r) for r in reqs]
+    for _ in range(10):
+        engine.step()
+    assert engine.runner.num_rows == len(reqs)
+    engine.cancel(victim.id)
+    while any(h.final is None for h in handles):
+        engine.step()
+    model = engine.lm.model
+    for req, h in zip(reqs, handles, strict=True):
+        if req is victim:
+            assert h.final.reason == "cancelled" and len(h.final.token_ids) < 40
+            continue
+        want = reference_ignoring_eos(model, req)
+        assert_matches(model, req, list(h.final.token_ids), want)
+    assert engine.runner.rows is None
+
+
+def reference_ignoring_eos(model, req: GenerationRequest) -> list[int]:
+    ids = torch.tensor([req.prompt_token_ids])
+    config = copy.deepcopy(model.generation_config)
+    config.update(max_new_tokens=req.params.max_new_tokens, do_sample=False)
+    config.eos_token_id = []  # None would be filled in from the model's defaults
+    if config.pad_token_id is None:
+        config.pad_token_id = 0
+    with torch.no_grad():
+        out = model.generate(ids, generation_config=config)
+    return out[0, 1 if model.config.is_encoder_decoder else ids.shape[1] :].tolist()
+
+
+def test_budget_is_derived_from_measured_memory(tmp_path, tiny_path):
+    from engine.builtin import builtin_path
+
+    engine = Engine(EngineConfig(model="builtin:tiny-t5", device="cpu", cpu_kv_bytes=32 * 2**20))
+    assert engine.lm.runner == "padded" and "B per weight unit" in engine.kv_derivation
+    per_unit = 32 * 2**20 / engine.batcher.budget
+    # One decoder token of self-attention KV is the least a weight unit can cost.
+    assert per_unit >= engine.lm.geometry.bytes_per_token
+    assert builtin_path("tiny-t5").exists()
+    out = engine.generate([GenerationRequest("a", prompt="hello there", params=SamplingParams(max_new_tokens=5))])
+    assert out[0].completion_tokens == 5 or out[0].reason == "eos"
+
+
+def test_auto_picks_the_runner_and_refuses_paged_for_seq2seq(tiny_loaded):
+    assert Engine(EngineConfig(max_batch_weight=4096), loaded=tiny_loaded).lm.runner == "paged"
+    with pytest.raises(ConfigError, match="runner: the paged runner cannot serve"):
+        Engine(EngineConfig(model="builtin:tiny-t5", device="cpu", runner="paged", max_batch_weight=4096))
+    with pytest.raises(ConfigError, match="mode: the padded runner supports worst_case only"):
+        Engine(EngineConfig(model="builtin:tiny-t5", device="cpu", mode="predictive", max_batch_weight=4096))
