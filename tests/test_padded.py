@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import random
+import time
 
 import pytest
 import torch
@@ -191,3 +192,38 @@ def test_auto_picks_the_runner_and_refuses_paged_for_seq2seq(tiny_loaded):
         Engine(EngineConfig(model="builtin:tiny-t5", device="cpu", runner="paged", max_batch_weight=4096))
     with pytest.raises(ConfigError, match="mode: the padded runner supports worst_case only"):
         Engine(EngineConfig(model="builtin:tiny-t5", device="cpu", mode="predictive", max_batch_weight=4096))
+
+
+def test_a_seq2seq_worker_streams_cancels_and_serves_the_gateway(service, tmp_path):
+    """The same task, cancellation, stats and HTTP front door on top of the padded runner."""
+    import httpx
+
+    from tests.service import GatewayProcess
+
+    w = service.worker(model="builtin:tiny-t5").wait_ready()
+    gateway = GatewayProcess(service.url, tmp_path).wait_ready()
+    try:
+        running = service.client.submit("translate this", max_new_tokens=400, ignore_eos=True)
+        other = service.client.submit("and this one", max_new_tokens=30, ignore_eos=True)
+        tokens = 0
+        for ev in running.events(timeout=60):
+            tokens += ev.type == "token"
+            if tokens >= 5:
+                break
+        assert running.cancel() == "running"
+        assert running.result(timeout=30)["finish_reason"] == "cancelled"
+        assert other.result(timeout=60)["usage"]["completion_tokens"] == 30
+        r = httpx.post(gateway.base + "/v1/completions", json={"prompt": "hello", "max_tokens": 6}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] <= 6
+        with httpx.stream("POST", gateway.base + "/v1/completions", timeout=60,
+                          json={"prompt": "hello", "max_tokens": 6, "stream": True}) as s:  # fmt: skip
+            chunks = [line for line in s.iter_lines() if line.startswith("data: ")]
+        assert chunks[-1] == "data: [DONE]" and len(chunks) >= 2
+        deadline = time.monotonic() + 5
+        while w.stats().get("kv_blocks_used") != 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        stats = w.stats()
+        assert stats["kv_blocks_used"] == 0 and stats["runner"] == "padded" and stats["block_size"] == 1
+    finally:
+        gateway.stop()

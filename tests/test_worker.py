@@ -18,14 +18,18 @@ def stream_entries(url: str, job_id: str) -> list[dict]:
     return [fields for _, fields in r.xrange(stream_key(job_id))]
 
 
-def test_100_jobs_stream_and_match_the_in_process_engine(service, tiny_loaded):
+@pytest.mark.parametrize("model", ["builtin:tiny", "builtin:tiny-t5"])
+def test_100_jobs_stream_and_match_the_in_process_engine(service, tiny_loaded, model):
+    """The decoder-only model on the paged runner, and a seq2seq model (T5) on the padded runner."""
     from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 
-    service.worker().wait_ready()
+    w = service.worker(model=model).wait_ready()
+    assert w.stats()["runner"] == ("padded" if model.endswith("t5") else "paged")
     rng = random.Random(4)
     specs = [(f"job {i}: the scheduler " + "admits " * rng.randint(0, 30), rng.randint(1, 24)) for i in range(100)]
     jobs = [service.client.submit(p, max_new_tokens=n, request_id=f"j{i}") for i, (p, n) in enumerate(specs)]
-    local = Engine(EngineConfig(max_batch_weight=8192), loaded=tiny_loaded).generate(
+    config = EngineConfig(model=model, max_batch_weight=8192)
+    local = Engine(config, loaded=tiny_loaded if model == "builtin:tiny" else None).generate(
         [
             GenerationRequest(f"j{i}", prompt=p, params=SamplingParams(max_new_tokens=n))
             for i, (p, n) in enumerate(specs)
