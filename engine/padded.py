@@ -63,6 +63,33 @@ def patch_decoder_positions(model: nn.Module) -> RowPositions | None:
     return decoder.embed_positions
 
 
+def cross_projections(model: nn.Module) -> list | None:
+    """Per decoder layer, a function from encoder states [N, S, d] to that layer's cross-attention
+    K and V [N, H, S, D], for the families whose modules we know (T5, BART and its kin); None
+    otherwise. With them, admitted rows join the batch's decode step directly instead of running
+    a decoder pass of their own (the same projections the model would apply)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is None:
+        return None
+
+    def split(states: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int):
+        shape = (states.shape[0], states.shape[1], -1, head_dim)
+        return k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
+
+    out = []
+    for layer in getattr(decoder, "block", None) or getattr(decoder, "layers", None) or []:
+        t5 = getattr(layer, "layer", None)
+        att = t5[1].EncDecAttention if t5 is not None and hasattr(t5[1], "EncDecAttention") else None
+        if att is not None:
+            out.append(lambda st, a=att: split(st, a.k(st), a.v(st), a.key_value_proj_dim))
+            continue
+        att = getattr(layer, "encoder_attn", None)
+        if att is None or not hasattr(att, "k_proj") or not hasattr(att, "head_dim"):
+            return None
+        out.append(lambda st, a=att: split(st, a.k_proj(st), a.v_proj(st), a.head_dim))
+    return out or None
+
+
 class PaddedRunner:
     """Same contract as the paged ModelRunner: forward(prefill, decode) -> logits of the emitting
     works, prefill first; release(seq) when a sequence leaves."""
@@ -76,6 +103,7 @@ class PaddedRunner:
         if self.seq2seq and decoder_start_id is None:
             raise ValueError("an encoder-decoder model needs decoder_start_token_id in its config")
         self.positions = patch_decoder_positions(model) if self.seq2seq else None
+        self.cross = cross_projections(model) if self.seq2seq else None
         self.ids: list[str] = []  # row i of every tensor belongs to ids[i]
         self.pos: list[int] = []  # position of each row's next decoder token
         self.dec: Columns | None = None  # decoder mask, then K and V of every self-attention layer
@@ -172,6 +200,9 @@ class PaddedRunner:
         t0 = time.perf_counter()
         parts: list[torch.Tensor] = []
         new = None
+        if prefill and self.cross is not None and all(w.n == w.seq.prompt_len for w in prefill):
+            self._join(prefill)  # encoder only: the new rows' first decoder step is this step's
+            prefill, decode = [], prefill + decode
         if prefill:
             logits, new = self._prefill(prefill)
             parts.append(logits)
@@ -189,6 +220,8 @@ class PaddedRunner:
         return out
 
     def _decode(self, decode: list[Work]) -> torch.Tensor:
+        """One token for every row: its last token, or the decoder start token for a row that
+        joined this step (its decoder is still empty)."""
         if not self.ids:
             raise RuntimeError("padded runner: decode without a running batch")
         where = {rid: i for i, rid in enumerate(self.ids)}
@@ -196,7 +229,8 @@ class PaddedRunner:
             raise RuntimeError("padded runner: the decode set differs from the running rows")
         tokens = [0] * len(self.ids)
         for w in decode:
-            tokens[where[w.seq.id]] = w.seq.token_ids[w.start]
+            i = where[w.seq.id]
+            tokens[i] = w.seq.token_ids[w.start] if self.pos[i] else self.start_id
         n = len(self.ids)
         ids = torch.tensor(tokens, device=self.device)[:, None]
         pos = torch.tensor(self.pos, device=self.device)
@@ -222,6 +256,26 @@ class PaddedRunner:
         order = torch.tensor([where[w.seq.id] for w in decode], device=self.device)
         return logits.index_select(0, order)
 
+    def _encode(self, prefill: list[Work]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encoder states [N, S, d] and mask [N, S] of the prompts, right-padded."""
+        prompts = [w.seq.token_ids[: w.seq.prompt_len] for w in prefill]
+        s = max(map(len, prompts))
+        enc_ids = torch.full((len(prompts), s), self.pad_id, dtype=torch.long)
+        enc_mask = torch.zeros((len(prompts), s), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            enc_ids[i, : len(p)] = torch.tensor(p)
+            enc_mask[i, : len(p)] = 1
+        enc_ids, enc_mask = enc_ids.to(self.device), enc_mask.to(self.device)
+        return self.model.get_encoder()(input_ids=enc_ids, attention_mask=enc_mask).last_hidden_state, enc_mask
+
+    def _join(self, prefill: list[Work]) -> None:
+        """Fresh seq2seq rows join with their encoder states and cross K/V, and an empty decoder."""
+        states, enc_mask = self._encode(prefill)
+        kv = [t for project in self.cross for t in project(states)]
+        empty = kv[0].new_zeros(len(prefill), kv[0].shape[1], 0, kv[0].shape[3])
+        dec = [enc_mask.new_zeros(len(prefill), 0)] + [empty] * (2 * len(self.cross))
+        self._merge(prefill, [[] for _ in prefill], dec, [enc_mask, states, *kv])
+
     def _prefill(self, prefill: list[Work]):
         for w in prefill:
             if w.start != 0 or not w.emits:
@@ -243,15 +297,7 @@ class PaddedRunner:
     def _prefill_seq2seq(self, prefill: list[Work]):
         from transformers import DynamicCache, EncoderDecoderCache
 
-        prompts = [w.seq.token_ids[: w.seq.prompt_len] for w in prefill]
-        s = max(map(len, prompts))
-        enc_ids = torch.full((len(prompts), s), self.pad_id, dtype=torch.long)
-        enc_mask = torch.zeros((len(prompts), s), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            enc_ids[i, : len(p)] = torch.tensor(p)
-            enc_mask[i, : len(p)] = 1
-        enc_ids, enc_mask = enc_ids.to(self.device), enc_mask.to(self.device)
-        states = self.model.get_encoder()(input_ids=enc_ids, attention_mask=enc_mask).last_hidden_state
+        states, enc_mask = self._encode(prefill)
         # The decoder starts from its start token; a readmitted request re-feeds what it generated.
         feeds = [[self.start_id, *w.seq.token_ids[w.seq.prompt_len : w.n]] for w in prefill]
         dec_ids, dec_mask = self._left_pad(feeds)

@@ -128,6 +128,8 @@ def test_greedy_matches_generate_as_requests_join_and_leave(model_dir):
     engine.step = counting_step
     results = engine.generate(reqs)
     model = engine.lm.model
+    # Encoder-decoder rows join the decode step directly (their cross K/V projected on admission).
+    assert (engine.runner.cross is not None) == model.config.is_encoder_decoder
     for req, res in zip(reqs, results, strict=True):
         assert res.reason in ("length", "eos"), (req.id, res.error)
         assert_matches(model, req, list(res.token_ids), reference(model, req))
@@ -144,6 +146,7 @@ def test_cancelling_one_request_mid_batch_leaves_the_others_unchanged(model_dir)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     reqs = [GenerationRequest(r.id, prompt_token_ids=r.prompt_token_ids, params=params) for r in requests(8, seed=3)]
     victim = reqs[2]
+    engine.runner.cross = None  # seq2seq rows take the general path here: a decoder pass of their own
     handles = [engine.submit(r) for r in reqs]
     for _ in range(10):
         engine.step()
