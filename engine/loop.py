@@ -345,6 +345,11 @@ class Engine:
         """The packed forward failed: run each sequence's work alone, fail the ones that still fail
         (their blocks go back to the pool) and return the others' logits in the packed order, so one
         bad request never takes the batch down. Rerunning rewrites the same KV slots with the same values."""
+        if not getattr(self.runner, "can_isolate", True):  # the padded runner: one batch, one fate
+            log.warning("forward over %d sequences failed (%r)", len(prefill) + len(decode), error)
+            for work in prefill + decode:
+                self._finish(work.seq, "error", f"the model failed on this step: {error!r}")
+            return torch.empty(0, 0)
         log.warning("forward over %d sequences failed (%r); isolating", len(prefill) + len(decode), error)
         rows: list[torch.Tensor] = []
         for work, alone in [(w, ([w], [])) for w in prefill] + [(w, ([], [w])) for w in decode]:

@@ -194,8 +194,17 @@ class PaddedRunner:
             layer.refresh()
 
     # ----- the step -------------------------------------------------------------------------------
-    @torch.inference_mode()
+    can_isolate = False  # every running row is in every step: a failed step fails them all
+
     def forward(self, prefill: list[Work], decode: list[Work]) -> torch.Tensor:
+        try:
+            return self._forward(prefill, decode)
+        except BaseException:
+            self._reset()  # the batch may be half-updated: its requests fail, and nothing stale stays
+            raise
+
+    @torch.inference_mode()
+    def _forward(self, prefill: list[Work], decode: list[Work]) -> torch.Tensor:
         self._compact()
         t0 = time.perf_counter()
         parts: list[torch.Tensor] = []

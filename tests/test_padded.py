@@ -230,3 +230,34 @@ def test_a_seq2seq_worker_streams_cancels_and_serves_the_gateway(service, tmp_pa
         assert stats["kv_blocks_used"] == 0 and stats["runner"] == "padded" and stats["block_size"] == 1
     finally:
         gateway.stop()
+
+
+def test_a_failing_step_fails_its_batch_and_the_engine_serves_on():
+    """The padded runner cannot rerun one row alone (every running row is in every step): a step
+    whose forward raises fails the requests in it, leaves no stale rows, and the next work runs."""
+    engine = Engine(EngineConfig(model="builtin:tiny-t5", device="cpu", max_batch_weight=4096, check_invariants=True))
+    poison = 1099
+
+    def guard(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and (ids == poison).any():
+            raise RuntimeError("poisoned input")
+
+    hook = engine.lm.model.get_encoder().register_forward_pre_hook(guard, with_kwargs=True)
+    try:
+        first = [GenerationRequest(f"a{i}", prompt_token_ids=[11 + i, 12, 13], params=SamplingParams(max_new_tokens=20))
+                 for i in range(3)]  # fmt: skip
+        handles = [engine.submit(r) for r in first]
+        for _ in range(3):
+            engine.step()
+        bad = engine.submit(GenerationRequest("bad", prompt_token_ids=[11, poison], params=SamplingParams()))
+        while bad.final is None or any(h.final is None for h in handles):
+            engine.step()
+    finally:
+        hook.remove()
+    assert bad.final.reason == "error" and "poisoned input" in bad.final.error
+    assert all(h.final.reason == "error" for h in handles)  # they shared the failed step
+    assert engine.runner.rows is None and not engine.batcher.running
+    after = GenerationRequest("after", prompt_token_ids=[20, 21, 22], params=SamplingParams(max_new_tokens=12))
+    out = engine.generate([after])[0]
+    assert_matches(engine.lm.model, after, list(out.token_ids), reference(engine.lm.model, after))
