@@ -63,3 +63,18 @@ def test_flash_backend_matches_generate_in_bf16(tiny_path):
 def test_flash_is_chosen_automatically_on_cuda():
     engine = Engine(EngineConfig(max_batch_weight=4096))
     assert engine.backend == "flash"
+
+
+@cuda
+def test_padded_runner_on_cuda_matches_generate_and_measures_its_budget():
+    """builtin:tiny-t5 on the padded runner on a GPU: greedy equality with per-request generate(),
+    and a budget derived from the free CUDA memory with the warm-up's measured peak."""
+    from tests.test_padded import assert_matches, reference, requests
+
+    engine = Engine(EngineConfig(model="builtin:tiny-t5", device="cuda", dtype="float32", check_invariants=True))
+    assert engine.lm.runner == "padded" and "peak" in engine.kv_derivation
+    model = engine.lm.model
+    reqs = requests(24, seed=2)
+    for req, res in zip(reqs, engine.generate(reqs), strict=True):
+        assert res.reason in ("length", "eos"), res.error
+        assert_matches(model, req, list(res.token_ids), reference(model, req), tie=1e-3)

@@ -74,27 +74,28 @@ def requests(n: int, seed: int = 0) -> list[GenerationRequest]:
 
 
 def reference(model, req: GenerationRequest) -> list[int]:
-    ids = torch.tensor([req.prompt_token_ids])
+    ids = torch.tensor([req.prompt_token_ids], device=model.device)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=req.params.max_new_tokens, do_sample=False)
     return out[0, 1 if model.config.is_encoder_decoder else ids.shape[1] :].tolist()
 
 
-def assert_matches(model, req, got: list[int], want: list[int]) -> None:
+def assert_matches(model, req, got: list[int], want: list[int], tie: float = NEAR_TIE) -> None:
     """Token-for-token equality, except at a near-tie of the reference (batching noise)."""
     if got == want:
         return
     k = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
-    seq2seq = model.config.is_encoder_decoder
+    seq2seq, dev = model.config.is_encoder_decoder, model.device
     with torch.no_grad():
         if seq2seq:
             start = model.generation_config.decoder_start_token_id
-            dec = torch.tensor([[start, *want[:k]]])
-            logits = model(input_ids=torch.tensor([req.prompt_token_ids]), decoder_input_ids=dec).logits[0, -1]
+            dec = torch.tensor([[start, *want[:k]]], device=dev)
+            prompt = torch.tensor([req.prompt_token_ids], device=dev)
+            logits = model(input_ids=prompt, decoder_input_ids=dec).logits[0, -1]
         else:
-            logits = model(torch.tensor([req.prompt_token_ids + want[:k]])).logits[0, -1]
+            logits = model(torch.tensor([req.prompt_token_ids + want[:k]], device=dev)).logits[0, -1]
     top = logits.topk(2).values
-    assert float(top[0] - top[1]) < NEAR_TIE, f"{req.id}: diverged at token {k}: {got[k : k + 5]} vs {want[k : k + 5]}"
+    assert float(top[0] - top[1]) < tie, f"{req.id}: diverged at token {k}: {got[k : k + 5]} vs {want[k : k + 5]}"
 
 
 def padded_engine(model_dir, **kw) -> Engine:
