@@ -8,6 +8,8 @@ every request produces exactly its max_new_tokens (fixed seed); model builtin:ti
   input + output, i.e. the memory a static batch of 16 must be sized for.
 - hf_static16: model.generate() on right-padded encoder batches of 16 in arrival order; each batch
   decodes until its longest request is done (useful tokens only are counted).
+- torch runs on one thread by default (--threads): on this 2-core machine the tiny model is faster
+  so, and two threads make both sides' figures swing with any other load.
 - greedy_match: weightq's outputs against per-request generate(); a divergence at a near-tie
   (reference top1-top2 gap < 1e-4) counts as a match and is listed.
 """
@@ -88,8 +90,11 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for both sides (0: torch's default)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.threads:  # a model this small runs faster on one thread here, and 2 make both sides hostage to load
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     work = workload(args.requests, args.seed)
     budget = 16 * max(len(ids) + n for ids, n in work)
@@ -111,6 +116,7 @@ def main() -> None:
         "max_batch_weight": budget,
         "steps": stats["steps"],
         "runner": stats["runner"],
+        "torch_threads": torch.get_num_threads(),
         "model": MODEL,
     }
     print(json.dumps(out, indent=None if args.json else 2))
