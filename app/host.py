@@ -38,7 +38,6 @@ from .streams import (
     QUEUED,
     STARTED_HW,
     cancelled_result,
-    field_of,
     job_key,
     result_dict,
     stream_key,
@@ -128,28 +127,34 @@ class WorkerHost:
             self.active[job_id] = time.monotonic()
             if delivery_tag:
                 self._tags[job_id] = delivery_tag
+        # The stream writer records the job's end entry and final state together; the task returns
+        # (and its message is acked) only after that, so a worker killed at any point leaves either a
+        # finished job with its end entry or a running one that its redelivery runs again.
+        written = self.engine.sink.expect(job_id)
         try:
             final = self.engine.submit(request).result()
+            if not written.wait(s.redis_retry_s):
+                raise GenerationFailed(f"job {job_id}: its end entry was not written in {s.redis_retry_s} s")
         finally:
             with self._lock:
                 self.active.pop(job_id, None)
                 self._tags.pop(job_id, None)
         if final.reason == "cancelled" and self.shutting_down:
             # Back to the queue. If kombu's requeue fails on the closing channel, the recovery sweep
-            # finds the job queued and nowhere else, and sends it again.
-            queued_at = float(self.redis.hget(job_key(job_id), "queued_at") or time.time())
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.hset(job_key(job_id), "state", "queued")
-            pipe.zadd(QUEUED, {job_id: queued_at})
-            self._retrying(pipe.execute)
+            # finds the job queued and nowhere else, and sends it again. Retried like every state
+            # write: a task that raised here would be acked, its job left 'running' and unrecoverable.
+            self._retrying(lambda: self._requeue(job_id))
             raise Reject(f"worker {self.hostname} shutting down: job {job_id} goes back to the queue", requeue=True)
         if final.reason == "error":
-            message = final.error or "error"
-            self._done(job_id, None, {"error": message, "field": field_of(message)})
-            raise GenerationFailed(message)
-        result = result_dict(final) | extra
-        self._done(job_id, result)
-        return result
+            raise GenerationFailed(final.error or "error")
+        return result_dict(final) | extra
+
+    def _requeue(self, job_id: str) -> None:
+        queued_at = float(self.redis.hget(job_key(job_id), "queued_at") or time.time())
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(job_key(job_id), "state", "queued")
+        pipe.zadd(QUEUED, {job_id: queued_at})
+        pipe.execute()
 
     def fail(self, job_id: str, error: RequestError) -> None:
         """A request refused before it reached the engine: end its stream with the error (once)."""
@@ -160,17 +165,6 @@ class WorkerHost:
                 args=[s.stream_maxlen, s.stream_ttl_s, s.result_ttl_s, str(error), error.field, job_id],
             )
         )
-
-    def _done(self, job_id: str, result: dict | None, error: dict[str, str] | None = None) -> None:
-        """The job hash's final state: its result, or its error (so a poller never needs the stream)."""
-        cancelled = result is not None and result.get("finish_reason") == "cancelled"
-        mapping = {"state": "cancelled" if cancelled else "done", **(error or {})}
-        if result is not None:
-            mapping["result"] = json.dumps(result)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(job_key(job_id), mapping=mapping)
-        pipe.expire(job_key(job_id), self.settings.result_ttl_s)
-        self._retrying(pipe.execute)
 
     def _retrying(self, op: Callable[[], T]) -> T:
         """A job's own state writes wait out a Redis restart (up to REDIS_RETRY_S): giving up would

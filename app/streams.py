@@ -164,6 +164,7 @@ class StreamPublisher:
         self.requeueing = False  # set at shutdown: cancelled jobs go back to the queue, so no end entry
         self.metrics: EngineMetrics | None = None
         self.writer_key = f"weightq:writer:{uuid.uuid4().hex}"  # the last batch applied (see _apply)
+        self._finals: dict[str, threading.Event] = {}  # job id -> set once its finish is written (see expect)
         self._seq = 0
         self._batch_script = client.register_script(WRITE_BATCH)
 
@@ -171,6 +172,13 @@ class StreamPublisher:
         self._pending.append((event, time.time()))  # stamped at emission: readers measure latency from here
         if self.metrics is not None and isinstance(event, FinishEvent):
             self.metrics.observe(event)
+
+    def expect(self, job_id: str) -> threading.Event:
+        """An event set once the job's last entry and final state are in Redis (or its finish was
+        skipped: a job going back to the queue). Its task must not finish (be acked) before: a worker
+        killed in between would leave a job that no redelivery runs again and no reader sees end."""
+        written = self._finals[job_id] = threading.Event()
+        return written
 
     def flush(self) -> None:
         if self._pending:
@@ -196,6 +204,9 @@ class StreamPublisher:
                 except redis.RedisError:
                     log.exception("writing %d stream entries failed; retrying", len(entries))
                     time.sleep(0.5)
+            for ev, _ in batch:
+                if isinstance(ev, FinishEvent) and (written := self._finals.pop(ev.request_id, None)):
+                    written.set()
 
     def _entries(self, batch: list[tuple[Event, float]]) -> list[tuple[str, dict, dict | None]]:
         """(stream key, fields, the job's final state or None) for each event worth writing."""

@@ -47,7 +47,15 @@ class EngineStep(bootsteps.StartStopStep):
 
     def start(self, worker) -> None:
         settings = Settings.from_env()
-        client = redis.Redis.from_url(settings.resolved_redis_url(), socket_timeout=30, health_check_interval=10)
+        # A connection for every task thread, plus the host's loops and the stream writer: redis-py 8
+        # caps a pool at 100 by default and then raises instead of waiting (at a warm shutdown, 128
+        # task threads requeueing at once ran out).
+        client = redis.Redis.from_url(
+            settings.resolved_redis_url(),
+            socket_timeout=30,
+            health_check_interval=10,
+            max_connections=settings.concurrency + 16,
+        )
         publisher = StreamPublisher(
             client, maxlen=settings.stream_maxlen, ttl_s=settings.stream_ttl_s, job_ttl_s=settings.result_ttl_s
         )

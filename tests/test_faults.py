@@ -1,4 +1,5 @@
-"""Faults with real processes: Redis restarts, a poison job. Nothing accepted is lost or doubled."""
+"""Faults with real processes: Redis restarts, worker restarts under load, a poison job. Nothing accepted
+is lost or doubled."""
 
 from __future__ import annotations
 
@@ -108,3 +109,55 @@ def test_a_job_cancelled_while_its_worker_died_ends_cleanly_on_redelivery(servic
     assert job.result(timeout=60)["finish_reason"] == "cancelled"
     assert r.hget(job_key("oc-1"), "state") == "cancelled"
     assert len(end_entries(service.url, "oc-1")) == 1
+
+
+def test_worker_restarts_under_load_sigterm_then_sigkill(service):
+    """200 jobs, queued or running, through a warm shutdown (SIGTERM) of one worker and a SIGKILL of
+    the next: every job finishes exactly once (state done, the tokens asked for, one end entry)."""
+    fast = dict(visibility_timeout_s=6, lease_renew_s=1, restore_interval_s=1, shutdown_grace_s=0.5, concurrency=128)
+    r = redis.Redis.from_url(service.url, decode_responses=True)
+    asked = {f"L{i}": 16 + i % 4 * 16 for i in range(200)}
+
+    def states() -> list[str | None]:
+        pipe = r.pipeline(transaction=False)
+        for job_id in asked:
+            pipe.hget(job_key(job_id), "state")
+        return pipe.execute()
+
+    def wait_done(n: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while (done := states().count("done")) < n:
+            if time.monotonic() > deadline:
+                held = r.lrange("weightq", 0, -1) + r.hvals("unacked")
+                left = {
+                    j: (r.hgetall(job_key(j)) | {"request": "", "result": ""}, sum(f'"{j}"' in m for m in held))
+                    for j, state in zip(asked, states(), strict=True)
+                    if state != "done"
+                }
+                raise AssertionError(f"{done} of {n} jobs done; not done (hash, messages): {left}")
+            time.sleep(0.05)
+
+    first = service.worker("t1@test", **fast).wait_ready()
+    for job_id, n in asked.items():
+        service.client.submit(f"load {job_id}", max_new_tokens=n, ignore_eos=True, request_id=job_id)
+    wait_done(30, 60)
+    assert first.stop(timeout=60) == 0  # warm: running jobs go back to the queue
+    second = service.worker("t2@test", **fast).wait_ready()
+    wait_done(70, 60)
+    second.kill()  # its running and reserved jobs come back after the visibility timeout
+    service.worker("t3@test", **fast).wait_ready()
+    wait_done(200, 120)
+
+    by_id = dict(zip(asked, states(), strict=True))
+    assert set(by_id.values()) == {"done"}, {k: v for k, v in by_id.items() if v != "done"}
+    for job_id, n in asked.items():
+        job = r.hgetall(job_key(job_id))
+        assert "error" not in job, (job_id, job["error"])
+        ends = end_entries(service.url, job_id)
+        assert [e["type"] for e in ends] == ["end"], (job_id, ends, job)
+        result = json.loads(ends[0]["result"])
+        assert result == json.loads(job["result"]) and result["finish_reason"] == "length"
+        assert result["usage"]["completion_tokens"] == n, (job_id, result["usage"])
+    assert r.llen("weightq:dead") == 0
+    attempts = [int(r.hget(job_key(job_id), "attempt")) for job_id in asked]
+    assert max(attempts) >= 2  # the restarts hit jobs that were running
