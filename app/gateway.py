@@ -29,9 +29,10 @@ from tasks.schema import ID_PATTERN, RequestError
 
 from . import openai_api, tgi_api
 from .client import Client
+from .guard import Guard, error_response
 from .http_errors import HTTPError, JobError
 from .hub import StreamHub
-from .limits import ClientLimits, retry_after
+from .limits import ClientLimits
 from .metrics import HEARTBEATS, WorkerCollector, live_workers
 from .settings import Settings
 from .streams import DEAD, job_key
@@ -246,51 +247,6 @@ class Gateway:
         return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-class Guard:
-    """ASGI middleware: the API key check and per-route request counts. (Pure ASGI, not Starlette's
-    BaseHTTPMiddleware, which hides a client's disconnect from the handlers.)"""
-
-    OPEN = ("/health", "/docs", "/openapi.json")
-
-    def __init__(self, app, gateway: Gateway) -> None:
-        self.app, self.gw = app, gateway
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = scope["path"]
-        status = 500
-
-        async def send_status(message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        client = None
-        try:
-            if path not in self.OPEN:
-                auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-                try:
-                    key = self.gw.check_key(auth)
-                    if scope["method"] == "POST":  # generation routes: limited per client
-                        who = f"key:{key}" if key else f"addr:{(scope.get('client') or ('?',))[0]}"
-                        wait = self.gw.limits.acquire(who)
-                        if wait is not None:
-                            raise HTTPError(429, f"too many requests; retry in {wait:.1f} s", None, "rate_limit_error",
-                                            retry_after(wait))  # fmt: skip
-                        client = who
-                except HTTPError as e:
-                    await error_response(path, e)(scope, receive, send_status)
-                    return
-            await self.app(scope, receive, send_status)
-        finally:
-            if client is not None:
-                self.gw.limits.release(client)
-            self.gw.http_requests.labels(path if path in KNOWN_ROUTES else "other", str(status)).inc()
-
-
 def sse(data: dict | str, event_id: str | None = None) -> str:
     payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     return (f"id: {event_id}\n" if event_id else "") + f"data: {payload}\n\n"
@@ -337,30 +293,6 @@ def create_app(settings: Settings | None = None, url: str | None = None) -> Fast
         return Response(generate_latest(gw.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-KNOWN_ROUTES = {
-    "/v1/completions",
-    "/v1/chat/completions",
-    "/v1/models",
-    "/generate",
-    "/generate_stream",
-    "/",
-    "/info",
-    "/health",
-    "/metrics",
-}
-
-
-def error_response(route: str, e: HTTPError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
-    if e.retry_after:
-        headers["Retry-After"] = e.retry_after
-    if route.startswith("/v1/"):
-        body: dict = {"error": {"message": e.message, "type": e.kind, "param": e.field, "code": None}}
-    else:  # TGI's shape: {"error", "error_type"}
-        body = {"error": e.message, "error_type": tgi_api.error_type(e.status), "field": e.field}
-    return JSONResponse(body, status_code=e.status, headers=headers)
 
 
 def openai_api_routes(app: FastAPI, gw: Gateway) -> None:

@@ -22,6 +22,7 @@ from .detokenizer import IncrementalDetokenizer, StopMatcher, push_many
 from .handle import Handle
 from .models import LoadedModel
 from .params import Event, FinishEvent, FinishReason, GenerationRequest, InvalidRequest, TokenEvent
+from .prompt import prompt_ids, render_chat
 from .runner import Work
 from .sampling import sample
 from .sequence import Sequence
@@ -124,12 +125,7 @@ class Engine:
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         """The prompt text of a chat: the tokenizer's chat template with the assistant's turn opened."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequest("messages", f"model {self.config.model} has no chat template: send a prompt")
-        try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # templates raise on roles or orders they do not support
-            raise InvalidRequest("messages", f"the chat template refused them: {e}") from None
+        return render_chat(self.tokenizer, self.config.model, messages)
 
     def stats(self) -> dict:
         b = self.batcher
@@ -231,19 +227,7 @@ class Engine:
     def _prepare(self, request: GenerationRequest, now: float) -> Sequence:
         params = request.params
         params.validate()
-        if request.prompt_token_ids is not None:
-            ids = list(request.prompt_token_ids)
-            vocab = len(self.tokenizer)
-            if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-                raise InvalidRequest("prompt_token_ids", f"every id must be an integer in [0, {vocab})")
-        elif isinstance(request.prompt, str):
-            ids = self.tokenizer(request.prompt, add_special_tokens=True)["input_ids"]
-            if not ids and self.tokenizer.bos_token_id is not None:
-                ids = [self.tokenizer.bos_token_id]
-        elif request.messages is not None:
-            ids = self.tokenizer(self.render_chat(request.messages), add_special_tokens=False)["input_ids"]
-        else:
-            raise InvalidRequest("prompt", "give a prompt string, prompt_token_ids or messages")
+        ids = prompt_ids(self.tokenizer, self.config.model, request)
         if not ids:
             raise InvalidRequest("prompt", "must not be empty")
         if len(ids) > self.max_input_length:

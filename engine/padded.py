@@ -178,8 +178,8 @@ class PaddedRunner:
         ids = torch.tensor(tokens, device=self.device)[:, None]
         pos = torch.tensor(self.pos, device=self.device)
         dec = self.dec
-        dec.reserve_columns(1)
-        self._refresh()
+        if dec.reserve_columns(1):
+            self._refresh()
         mask = dec.append_column(0, torch.ones(n, 1, dtype=torch.long, device=self.device))
         try:
             if self.seq2seq:

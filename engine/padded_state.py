@@ -58,10 +58,13 @@ class Columns:
         self.bufs[i][: self.n].narrow(self.dims[i], self.end, width).copy_(t)
         return self.view(i, width)
 
-    def reserve_columns(self, k: int) -> None:
+    def reserve_columns(self, k: int) -> bool:
+        """Room for k more columns; True when the buffers moved (views over them must be remade)."""
         rows, cols = self.capacity()
-        if self.end + k > cols:
-            self._realloc(rows, self.width + k + max(64, self.width // 2), 0)
+        if self.end + k <= cols:
+            return False
+        self._realloc(rows, self.width + k + max(64, self.width // 2), 0)
+        return True
 
     def advance(self, k: int = 1) -> None:
         self.end += k
