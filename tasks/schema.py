@@ -95,6 +95,7 @@ def parse_request(data: object) -> JobSpec:
             raise RequestError("prompt", f"must be a string (got {type(prompt).__name__})")
         if len(prompt) > MAX_PROMPT_CHARS:
             raise RequestError("prompt", f"{len(prompt)} characters exceeds {MAX_PROMPT_CHARS}")
+        _utf8("prompt", prompt)
     if ids is not None:
         if not isinstance(ids, list) or not ids:
             raise RequestError("prompt_token_ids", "must be a non-empty list of integers")
@@ -112,6 +113,8 @@ def parse_request(data: object) -> JobSpec:
         raise RequestError("stop", f"must be a string or a list of at most {MAX_STOP} strings")
     if any(not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS for s in stop):
         raise RequestError("stop", f"every stop sequence must be a string of 1 to {MAX_STOP_CHARS} characters")
+    for s in stop:
+        _utf8("stop", s)
     seed = data.get("seed")
     if seed is not None:
         seed = _int(data, "seed", 0, 0, 2**63 - 1)
@@ -131,6 +134,15 @@ def parse_request(data: object) -> JobSpec:
     return JobSpec(rid, prompt, list(ids) if ids is not None else None, params, messages)
 
 
+def _utf8(name: str, text: str) -> None:
+    """JSON may carry lone surrogates (\\ud800) that no UTF-8 encoder accepts: Redis writes and the
+    tokenizer would fail on them later, far from the request. Refuse them here, by field."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(name, f"not valid Unicode text (a lone surrogate at character {e.start})") from None
+
+
 def _messages(messages: object) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not 1 <= len(messages) <= MAX_MESSAGES:
         raise RequestError("messages", f"must be a list of 1 to {MAX_MESSAGES} messages")
@@ -143,6 +155,7 @@ def _messages(messages: object) -> list[dict[str, str]]:
             raise RequestError(f"messages[{i}].role", f"must be one of {', '.join(ROLES)} (got {role!r})")
         if not isinstance(content, str):
             raise RequestError(f"messages[{i}].content", f"must be a string (got {type(content).__name__})")
+        _utf8(f"messages[{i}].content", content)
         total += len(content)
         if total > MAX_PROMPT_CHARS:
             raise RequestError("messages", f"more than {MAX_PROMPT_CHARS} characters in all")

@@ -140,10 +140,11 @@ def test_sigkill_mid_generation_loses_nothing(service):
 
 
 def test_a_healthy_generation_longer_than_the_visibility_timeout_runs_once(service):
-    quick = dict(FAST_RECOVERY, visibility_timeout_s=2)
+    # 2,000 tokens take ~5 s on a quiet 2-core machine: several visibility timeouts of 1 s.
+    quick = dict(FAST_RECOVERY, visibility_timeout_s=1, lease_renew_s=0.3)
     service.worker("w1@test", **quick).wait_ready()
     service.worker("w2@test", **quick).wait_ready()
-    job = service.client.submit("slow and steady", max_new_tokens=1500, ignore_eos=True)
+    job = service.client.submit("slow and steady", max_new_tokens=2000, ignore_eos=True)
     t0 = time.monotonic()
     result = job.result(timeout=180)
     assert time.monotonic() - t0 > 2 * quick["visibility_timeout_s"], "the job must outlive the visibility timeout"
