@@ -39,6 +39,8 @@ class Settings:
     gpu_memory_fraction: float = 0.85
     batcher_mode: str = "worst_case"  # or "predictive"
     runner: str = "auto"  # paged | padded | auto (padded for T5/BART and models without the attention interface)
+    compile: str = "auto"  # torch.compile the paged runner: auto (on for CPU) | on | off
+    torch_threads: int = 0  # the engine's intra-op threads; 0: torch's default (one per core)
     concurrency: int = 128  # task threads per worker: the most requests one worker holds at once
     task_events: bool = True  # Flower's per-task view; off saves ~a third of the consumer's work per job
     queue: str = "weightq"
@@ -104,6 +106,8 @@ class Settings:
             gpu_memory_fraction=self.gpu_memory_fraction,
             mode=self.batcher_mode,  # type: ignore[arg-type]
             runner=self.runner,  # type: ignore[arg-type]
+            compile=self.compile,  # type: ignore[arg-type]
+            torch_threads=self.torch_threads,
         )
 
     def resolved_redis_url(self) -> str:

@@ -18,6 +18,13 @@ class EngineConfig:
         interface; "padded" (left-padded batch, the model's own cache) for everything else, e.g.
         T5/BART; "auto" picks per model. The padded runner's weight is rows x padded length, and its
         budget, unless set, comes from measuring its memory per weight unit at start-up.
+    compile: torch.compile the paged runner's hot path (decode attention reading the KV pool in
+        place, and the model's forward with dynamic token counts); compiled and warmed up at
+        start-up (logged). "auto" turns it on where it was measured to win (CPU, paged runner), unless
+        TORCH_COMPILE_DISABLE=1.
+    torch_threads: torch's intra-op threads for the engine (process-wide); 0 keeps torch's default
+        (one per core). With other busy processes on the same cores, fewer threads than cores avoid
+        parallel regions that wait for a descheduled thread (README: "Threads").
     """
 
     model: str = "builtin:tiny"
@@ -25,6 +32,8 @@ class EngineConfig:
     dtype: str = "auto"
     attention: Literal["auto", "sdpa", "flash"] = "auto"
     runner: Literal["auto", "paged", "padded"] = "auto"
+    compile: Literal["auto", "on", "off"] = "auto"
+    torch_threads: int = 0
     block_size: int = 0
     max_batch_weight: int | None = None
     max_batch_size: int = 0

@@ -65,8 +65,11 @@ class KVCache:
         self.block_size = block_size
         self.device = device
         shape = (num_blocks, block_size, geometry.num_kv_heads, geometry.head_dim)
-        self.k = [torch.zeros(shape, dtype=geometry.dtype, device=device) for _ in range(geometry.num_layers)]
-        self.v = [torch.zeros(shape, dtype=geometry.dtype, device=device) for _ in range(geometry.num_layers)]
+        # Inference tensors (written only under inference mode): their dispatch keys are the same inside
+        # and outside the compiled graph's attention op, so the compiled decode kernel is not recompiled.
+        with torch.inference_mode():
+            self.k = [torch.zeros(shape, dtype=geometry.dtype, device=device) for _ in range(geometry.num_layers)]
+            self.v = [torch.zeros(shape, dtype=geometry.dtype, device=device) for _ in range(geometry.num_layers)]
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low block ids first
 
     @property

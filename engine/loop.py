@@ -27,6 +27,7 @@ from .runner import Work
 from .sampling import sample
 from .sequence import Sequence
 from .setup import build, on_fresh_thread
+from .warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class Engine:
             "overflow_steps": 0,  # steps whose batch held more KV tokens than the budget (must stay 0)
         }
         self._rate = {"t": time.monotonic(), "prefill": 0, "decode": 0, "prefill_tok_s": 0.0, "decode_tok_s": 0.0}
+        # A compiled runner compiles its shapes now, before anyone is served (on a fresh thread: see above).
+        self.warmup_s = on_fresh_thread(lambda: warm_up(self)) if self.runner.compiled else 0.0
 
     # ----- caller side (any thread) ---------------------------------------------------------------
     def submit(self, request: GenerationRequest, *, stream: bool = False) -> Handle:
@@ -143,6 +146,8 @@ class Engine:
             "model": self.config.model,
             "attention": self.backend,
             "runner": self.lm.runner,
+            "compiled": self.runner.compiled,
+            "warmup_s": round(self.warmup_s, 1),
             "mode": self.config.mode,
         }
 

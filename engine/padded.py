@@ -28,6 +28,8 @@ class PaddedRunner:
     """Same contract as the paged ModelRunner: forward(prefill, decode) -> logits of the emitting
     works, prefill first; release(seq) when a sequence leaves."""
 
+    compiled = False  # the model's own cache: not compiled (see EngineConfig.compile)
+
     def __init__(self, model: nn.Module, device: torch.device, *, pad_id: int, decoder_start_id: int | None) -> None:
         self.model = model
         self.device = device

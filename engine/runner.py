@@ -13,7 +13,8 @@ from typing import Protocol
 
 import torch
 
-from .attention import DecodeGroup, PrefillChunk, StepMeta
+from .attention import DecodeGroup, PrefillChunk, StepMeta, step_context
+from .decode_kernel import compile_paged_decode
 from .kv_cache import KVCache
 
 
@@ -33,8 +34,21 @@ class Work:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache: KVCache, backend: str, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: KVCache,
+        backend: str,
+        device: torch.device,
+        *,
+        compile_decode: bool = False,
+        compile_model: bool = False,
+    ) -> None:
         self.model = model
+        self.compiled = compile_decode or compile_model
+        self.decode_kernel = compile_paged_decode() if compile_decode else None
+        # Attention is an opaque op inside the compiled graph (attention.step_context); token counts are dynamic.
+        self._compiled = torch.compile(model, fullgraph=True) if compile_model else None
         self.cache = cache
         self.backend = backend
         self.device = device
@@ -109,7 +123,7 @@ class ModelRunner:
             slot_parts.append(torch.tensor(dec_slots, dtype=torch.long))
             keep.extend(range(first, first + len(decode)))
         slots = torch.cat(slot_parts).to(self.device)
-        meta = StepMeta(self.cache, slots, len(ids), groups, chunks)
+        meta = StepMeta(self.cache, slots, len(ids), groups, chunks, decode_kernel=self.decode_kernel)
         if self.backend == "flash":
             self._add_varlen(meta, prefill, decode)
         ids_t = torch.tensor(ids, device=self.device).unsqueeze(0)
@@ -128,11 +142,11 @@ class ModelRunner:
             flat.extend(t[:nb] if len(t) >= nb else t + [0] * (nb - len(t)))
         span = nb * bs
         mask = None
-        if any(n != span for n in row_lens):
-            lens_t = torch.tensor(row_lens)
+        lens_t = torch.tensor(row_lens)
+        if self.decode_kernel is None and any(n != span for n in row_lens):
             mask = (self._arange(span)[None, :] < lens_t[:, None]).view(len(rows), 1, 1, span).to(self.device)
         q_idx = torch.tensor([first + i for i in rows], device=self.device)
-        return DecodeGroup(q_idx, torch.tensor(flat, device=self.device), nb, mask)
+        return DecodeGroup(q_idx, torch.tensor(flat, device=self.device), nb, mask, lens_t.to(self.device))
 
     def _add_varlen(self, meta: StepMeta, prefill: list[Work], decode: list[Work]) -> None:
         bs = self.cache.block_size
@@ -155,8 +169,18 @@ class ModelRunner:
         """Logits [rows, vocab] in float32 for the emitting works: prefill ones first, then decodes."""
         ids, pos, keep, meta = self.build(prefill, decode)
         t0 = time.perf_counter()
-        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep, weightq_meta=meta)
-        logits = out.logits[0].float()
+        rows = len(keep)
+        if self._compiled is not None:
+            # The attention op looks pure to the compiler: with no logits to keep, it would drop the
+            # whole graph and with it the KV writes of a prompt chunk. One kept row keeps every layer.
+            keep = keep if rows else keep.new_tensor([ids.shape[1] - 1])
+            for t, dim in ((ids, 1), (pos, 1), (keep, 0)):
+                torch._dynamo.maybe_mark_dynamic(t, dim)
+            with step_context(meta):
+                out = self._compiled(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep)
+        else:
+            out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep, weightq_meta=meta)
+        logits = out.logits[0, :rows].float()
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         self.model_s += time.perf_counter() - t0

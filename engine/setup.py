@@ -62,6 +62,8 @@ class EngineParts:
 def build(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
     """Load the model, pick its runner and attention backend, size the KV memory (logged) and put
     the batcher on it."""
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)  # process-wide; threads that start later take it too
     device = resolve_device(cfg.device)
     backend = cfg.attention
     if backend == "auto":
@@ -104,7 +106,8 @@ def build(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
     )
     log.info("KV cache: %s", why)
     cache = KVCache(lm.geometry, blocks, block, lm.device)
-    runner = ModelRunner(lm.model, cache, backend, lm.device)
+    compiled = wants_compile(cfg.compile, lm.device, backend)
+    runner = ModelRunner(lm.model, cache, backend, lm.device, compile_decode=compiled, compile_model=compiled)
     try:
         batcher = Batcher(
             BatcherConfig(
@@ -123,6 +126,18 @@ def build(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
     except ConfigError as e:
         raise ConfigError(f"{e} (KV cache: {why})") from e
     return EngineParts(backend, lm, runner, batcher, why, max_input)
+
+
+def wants_compile(setting: str, device: torch.device, backend: str) -> bool:
+    """compile=auto is on where it was measured to win: the paged runner on CPU with SDPA (it also
+    stays off when TORCH_COMPILE_DISABLE=1). flash-attn's kernel is already fused: never compiled."""
+    if setting not in ("auto", "on", "off"):
+        raise ConfigError(f"compile: must be auto, on or off (got {setting!r})")
+    if setting == "off" or backend == "flash":
+        return False
+    if setting == "on":
+        return True
+    return device.type == "cpu" and not torch._dynamo.config.disable
 
 
 def _build_padded(cfg: EngineConfig, lm: LoadedModel, max_total: int, max_input: int) -> EngineParts:

@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
+# Tests run eager (compiling costs tens of seconds per engine): EngineConfig.compile="auto" honours
+# TORCH_COMPILE_DISABLE, read by torch at import (so set here first) and inherited by worker processes.
+# tests/test_compile.py runs its compiled tests in a pytest process of their own without it.
+if os.environ.get("WEIGHTQ_TEST_COMPILE") != "1":
+    os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+
 from dataclasses import dataclass, field
 
 from batcher import Batcher, Request

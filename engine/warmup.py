@@ -1,0 +1,47 @@
+"""Compile before serving: run the shapes a compiled runner will meet, so no request pays for it.
+
+torch.compile builds a graph per shape class: steps of one token or several, decode groups of one
+row or several, contexts of one KV block or several. A few tiny requests cover them all; the
+engine runs them before it reports ready (the worker starts consuming only after), and logs the time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from .params import GenerationRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from .loop import Engine
+
+log = logging.getLogger(__name__)
+
+# (prompt tokens, new tokens) per request, in rounds that run one after the other.
+ROUNDS = (
+    ((8, 12), (40, 4), (4, 3), (5, 3)),  # several rows over several blocks, then one row alone (1 and 2+ blocks)
+    ((4, 3), (6, 3)),  # several rows within one block
+)
+
+
+def warm_up(engine: Engine) -> float:
+    """Run the warm-up rounds on the calling thread; returns the seconds it took (counters reset)."""
+    t0 = time.perf_counter()
+    vocab = len(engine.tokenizer)
+    for r, round_ in enumerate(ROUNDS):
+        engine.generate(
+            [
+                GenerationRequest(
+                    f"warmup-{r}-{i}",
+                    prompt_token_ids=[(7 * i + j) % vocab for j in range(prompt)],
+                    params=SamplingParams(max_new_tokens=new, ignore_eos=True),
+                )
+                for i, (prompt, new) in enumerate(round_)
+            ]
+        )
+    elapsed = time.perf_counter() - t0
+    for key, value in engine.counters.items():
+        engine.counters[key] = type(value)()
+    log.info("compiled and warmed up in %.1f s", elapsed)
+    return elapsed
