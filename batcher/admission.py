@@ -60,6 +60,7 @@ class Batcher:
     """Weight-aware admission over one waiting queue and one running set."""
 
     REFRESH_EVERY = 16  # predictive mode: refresh the length estimate after this many finishes (or steps)
+    REBUILD_AFTER = 32  # more entry changes than this before a decision: rebuild the profile instead
 
     def __init__(self, config: BatcherConfig) -> None:
         self.config = cfg = config.resolved()
@@ -78,7 +79,11 @@ class Batcher:
         self._seq = 0
         self._committed = 0  # sum of reserved final weights (token model)
         self._typical = 0  # moving average of admitted requests' reserved weight
-        self._profile: TokenProfile | PaddedProfile | None = None
+        self._profile: TokenProfile | PaddedProfile = self.weight.profile([])
+        self._entries: dict[str, Entry] = {}  # each running request's entry, as the profile has it or will
+        self._changes: list[tuple[Entry, int]] | None = []  # for the profile to add (1) or remove (-1); None: rebuild
+        self._prefilling: dict[str, Request] = {}  # running requests not decoding yet, in admission order
+        self._stale = False  # the prefilling requests' entries must be recomputed before the next decision
         self._idle = False  # the last pass admitted nothing and nothing has changed since
 
     # ----- queue operations -------------------------------------------------------------------
@@ -181,7 +186,9 @@ class Batcher:
                 req.generated += 1
                 req.decoding = True
                 emitted.append(req)
-                self._invalidate()  # a chunked prompt finished: its projection tightens
+                del self._prefilling[req.id]
+                self._set_entry(req.id, self._decoding_entry(req))  # a chunked prompt's projection tightens
+                self._running_changed()
         for req in plan.decode:
             if running.get(req.id) is not req:
                 continue
@@ -202,10 +209,15 @@ class Batcher:
 
     def _release(self, req: Request) -> None:
         self._committed -= self.weight.seq(req.reserved_total)
-        self._invalidate()
+        self._prefilling.pop(req.id, None)
+        self._set_entry(req.id, None)
+        self._running_changed()
 
-    def _invalidate(self) -> None:
-        self._profile = None
+    def _running_changed(self) -> None:
+        """The running set or a reservation changed: prefilling requests' entries (which depend on the
+        step and on the chunks ahead of them) are recomputed before the next decision, and the queue
+        gets a real pass."""
+        self._stale = True
         self._idle = False
 
     def _reserve(self, req: Request) -> int:
@@ -244,25 +256,53 @@ class Batcher:
             self.step + delay + remaining, req.context_len - self.step, req.reserved_total, False, req.fixed_len
         )
 
+    def _decoding_entry(self, req: Request) -> Entry:
+        """A decoding request's entry: the same at every step (absolute steps) until its reservation changes."""
+        inp, gen, res, step = req.input_len, req.generated, req.reserved_new, self.step
+        return Entry(step + res - gen, inp + gen - step, inp + res, True, req.fixed_len)
+
+    def _set_entry(self, request_id: str, entry: Entry | None) -> None:
+        """Record a running request's entry (None: it left); the profile takes the change in when next used."""
+        old = self._entries.pop(request_id, None)
+        if entry is not None:
+            self._entries[request_id] = entry
+        changes = self._changes
+        if entry == old or changes is None:
+            return
+        if old is not None:
+            changes.append((old, -1))
+        if entry is not None:
+            changes.append((entry, 1))
+        if len(changes) > self.REBUILD_AFTER:
+            self._changes = None  # one rebuild is cheaper than applying this many
+
+    def _refresh_prefilling(self) -> None:
+        """Entries of requests still prefilling, from this step's chunks (assigned as in _running_work)."""
+        cap = self.config.max_prefill_weight
+        left, ahead = cap, 0
+        for req in self._prefilling.values():
+            chunk = req.prefill_left
+            if cap:
+                chunk = min(chunk, left)
+                left -= chunk
+            self._set_entry(req.id, self._entry(req, chunk, ahead))
+            ahead += req.prefill_left - chunk
+        self._stale = False
+
     def _get_profile(self) -> TokenProfile | PaddedProfile:
-        if self._profile is None:
-            entries: list[Entry] = []
-            cap = self.config.max_prefill_weight
-            left = cap  # this step's chunks, assigned as in _running_work
-            ahead = 0
-            step = self.step
-            for req in self.running.values():
-                if req.decoding:  # the common case, inlined: this runs for every request on every rebuild
-                    inp, gen, res = req.input_len, req.generated, req.reserved_new
-                    entries.append(Entry(step + res - gen, inp + gen - step, inp + res, True, req.fixed_len))
-                    continue
-                chunk = req.prefill_left
-                if cap:
-                    chunk = min(chunk, left)
-                    left -= chunk
-                entries.append(self._entry(req, chunk, ahead))
-                ahead += req.prefill_left - chunk
-            self._profile = self.weight.profile(entries)
+        """The running set's profile, brought up to date: each entry change since the last use is applied
+        in place (O(running) each), or, after many of them, the profile is rebuilt."""
+        if self._stale:
+            self._refresh_prefilling()
+        if self._changes is None:
+            self._profile = self.weight.profile(list(self._entries.values()))
+            self._changes = []
+        for entry, sign in self._changes:
+            if sign > 0:
+                self._profile.add(entry)
+            else:
+                self._profile.remove(entry)
+        self._changes.clear()
         return self._profile
 
     def _naive_fits(self, final: int, fixed_len: int = 0) -> bool:
@@ -358,7 +398,8 @@ class Batcher:
         w = self.weight.seq(req.reserved_total)
         self._committed += w
         self._typical = w if not self._typical else (7 * self._typical + w) // 8
-        self._invalidate()
+        self._prefilling[req.id] = req
+        self._running_changed()
         self.stats.admitted += 1
 
     def _preempt(self, req: Request) -> None:
@@ -383,7 +424,8 @@ class Batcher:
                 old = self.weight.seq(req.reserved_total)
                 req.reserved_new = self._reserve(req)
                 self._committed += self.weight.seq(req.reserved_total) - old
-                self._invalidate()
+                self._set_entry(req.id, self._decoding_entry(req))
+                self._running_changed()
         preempted: list[Request] = []
         while self.running and self._next_weight() > self.budget:
             victim = max(self.running.values(), key=lambda r: self._order[r.id])

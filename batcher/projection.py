@@ -1,24 +1,29 @@
 """Exact projection of the batch weight into the future.
 
 Every running request grows by one token per step until it reaches its reserved length, then leaves.
-Between finishes the total only grows, so the peaks sit at finish steps: sorting requests by finish
-step and evaluating the weight at each finish point gives the exact maximum, with no step loop.
+Between finishes the total only grows, so the peaks sit at finish steps: the weight at each finish
+point gives the exact maximum, with no step loop.
 
 Steps are absolute (steps completed since the batcher started), so a profile stays valid while the
 running set is unchanged: a decoding request's weight at step T is `offset + T` whatever T is now.
+That is also what lets a profile be updated in place: adding or removing one request changes the
+weight only at the finish points it lives through, and nothing else has to be recomputed.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right, insort
-from itertools import accumulate
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterable
+from itertools import accumulate, repeat
+from operator import add, floordiv
 from typing import NamedTuple
 
 
 class Entry(NamedTuple):
-    """One request's projected weight (a tuple: profiles are rebuilt often and must be cheap).
+    """One request's projected weight (a tuple: compared by value, cheap to make).
 
-    growing: weight at step T is `offset + T` until `finish` (inclusive), then 0.
+    growing: weight at step T is `offset + T` until `finish` (inclusive), then 0; `final` is then
+    `offset + finish`.
     not growing (still prefilling in chunks): counted at `final` until `finish` — an upper bound,
     because its growth starts only when its prompt is fully prefilled.
     fixed: the part of the weight padded on its own (an encoder-decoder's encoder states): the padded
@@ -36,136 +41,193 @@ def ceil_to(n: int, block: int) -> int:
     return -(-n // block) * block
 
 
-class _Profile:
-    """Loads at the finish points of a running set, ascending; `_suffix_max[j]` = max(loads[j:])."""
+class TokenProfile:
+    """Weight = sum over requests of their token count rounded up to the KV block size.
 
-    __slots__ = ("_suffix_max", "loads", "points")
+    Kept as the exact load, in blocks, at every distinct finish point, and updated in place: a request
+    changes the load only at the points it lives through (a prefix), so `add` and `remove` are one pass
+    over that prefix, with no sorting and no rebuild. A decision is a max over a slice or two, plus,
+    only when a growing candidate comes within a block per point of the budget, an exact pass over
+    the points it lives through.
+    """
 
+    __slots__ = (
+        "_blocks",
+        "_const_blocks",
+        "_const_finish",
+        "_grow_finish",
+        "_grow_offset",
+        "_peak",
+        "block",
+        "points",
+    )
+
+    def __init__(self, entries: Iterable[Entry] = (), block: int = 1) -> None:
+        self.block = block
+        ents = sorted(entries, key=_finish)
+        self._grow_finish = [e.finish for e in ents if e.growing]
+        self._grow_offset = [e.offset for e in ents if e.growing]
+        self._const_finish = [e.finish for e in ents if not e.growing]
+        self._const_blocks = [-(-e.final // block) for e in ents if not e.growing]
+        self.points = sorted({e.finish for e in ents})  # distinct finish steps, ascending
+        self._blocks = self._loads_from_scratch(ents)  # exact load at each point, in blocks
+        self._peak: int | None = None
+
+    def _loads_from_scratch(self, ents: list[Entry]) -> list[int]:
+        """Walk the points from the last: the alive set at P is every entry finishing at or after P.
+        A growing entry holds ceil((q*B + m + P) / B) = q + ceil(P / B) + (1 if m > -P mod B) blocks,
+        so the alive set is summed by its quotients, its size and a histogram of its residues m."""
+        b = self.block
+        residues = [0] * b
+        quotients = growing = const = 0
+        loads: list[int] = []
+        i = len(ents) - 1
+        for p in reversed(self.points):
+            while i >= 0 and ents[i].finish >= p:
+                e = ents[i]
+                i -= 1
+                if e.growing:
+                    q, m = divmod(e.offset, b)
+                    quotients, growing = quotients + q, growing + 1
+                    residues[m] += 1
+                else:
+                    const += -(-e.final // b)
+            loads.append(quotients + growing * -(-p // b) + sum(residues[-p % b + 1 :]) + const)
+        loads.reverse()
+        return loads
+
+    # ----- updates --------------------------------------------------------------------------------
+    def add(self, e: Entry) -> None:
+        """Count one more request: its blocks at each point it lives through, and its finish as a point."""
+        if e.growing:
+            i = bisect_right(self._grow_finish, e.finish)
+            self._grow_finish.insert(i, e.finish)
+            self._grow_offset.insert(i, e.offset)
+        else:
+            i = bisect_right(self._const_finish, e.finish)
+            self._const_finish.insert(i, e.finish)
+            self._const_blocks.insert(i, -(-e.final // self.block))
+        points = self.points
+        j = bisect_left(points, e.finish)
+        if j < len(points) and points[j] == e.finish:
+            self._shift(e, j + 1, 1)
+        else:
+            self._shift(e, j, 1)
+            points.insert(j, e.finish)
+            self._blocks.insert(j, self._load_blocks(e.finish))  # e is counted: it is alive at its finish
+        self._peak = None
+
+    def remove(self, e: Entry) -> None:
+        """Forget one request added before (an equal entry); ValueError if there is none."""
+        if e.growing:
+            fin, values, value = self._grow_finish, self._grow_offset, e.offset
+        else:
+            fin, values, value = self._const_finish, self._const_blocks, -(-e.final // self.block)
+        i = values.index(value, bisect_left(fin, e.finish), bisect_right(fin, e.finish))
+        del fin[i], values[i]
+        j = bisect_left(self.points, e.finish)
+        self._shift(e, j + 1, -1)
+        if not self._finishes_at(e.finish):
+            del self.points[j], self._blocks[j]
+        self._peak = None
+
+    def _shift(self, e: Entry, j: int, sign: int) -> None:
+        """Add (sign 1) or take away (-1) `e`'s blocks at the first j points, all of which it lives through."""
+        blocks, b = self._blocks, self.block
+        if not e.growing:
+            w = sign * -(-e.final // b)
+            blocks[:j] = [x + w for x in blocks[:j]]
+            return
+        c = e.offset + b - 1  # blocks held at step p: ceil((offset + p) / b) = (c + p) // b
+        if sign > 0:
+            blocks[:j] = [x + (c + p) // b for x, p in zip(blocks[:j], self.points[:j], strict=True)]
+        else:
+            blocks[:j] = [x - (c + p) // b for x, p in zip(blocks[:j], self.points[:j], strict=True)]
+
+    def _finishes_at(self, step: int) -> bool:
+        return any(bisect_right(fin, step) > bisect_left(fin, step) for fin in (self._grow_finish, self._const_finish))
+
+    # ----- queries --------------------------------------------------------------------------------
     def peak(self) -> int:
         """The highest weight the running set will reach."""
-        return self._suffix_max[0]
+        return self._peak_blocks() * self.block
 
-
-class TokenProfile(_Profile):
-    """Weight = sum over requests of their token count rounded up to the KV block size."""
-
-    __slots__ = ("_entries", "_ng", "_pm_const", "_pm_grow", "_sa", "_sc", "block")
-
-    def __init__(self, entries: list[Entry], block: int) -> None:
-        self.block = block
-        self._entries = ents = sorted(entries)
-        points: list[int] = []
-        loads: list[int] = []
-        sa: list[int] = []  # suffix sums of growing offsets (lower bound of the rounded load)
-        ng: list[int] = []  # suffix counts of growing entries
-        sc: list[int] = []  # suffix sums of constant (prefilling) weights
-        sum_q = sum_a = n = const = 0
-        residues: list[int] = []
-        # Walk finish points from the last: the alive set at point P is every entry finishing at or after P.
-        last = None
-        for k in range(len(ents) - 1, -1, -1):
-            finish, offset, final, growing, _ = ents[k]
-            if finish != last and last is not None:
-                self._close_point(last, sum_q, n, const, residues, points, loads)
-                sa.append(sum_a)
-                ng.append(n)
-                sc.append(const)
-            last = finish
-            if growing:
-                sum_a += offset
-                n += 1
-                if block > 1:
-                    q, m = divmod(offset, block)
-                    sum_q += q
-                    insort(residues, m)
-                else:
-                    sum_q += offset
-            else:
-                const += -(-final // block) * block
-        if last is not None:
-            self._close_point(last, sum_q, n, const, residues, points, loads)
-            sa.append(sum_a)
-            ng.append(n)
-            sc.append(const)
-        for arr in (points, loads, sa, ng, sc):
-            arr.reverse()
-        self.points, self.loads, self._sa, self._ng, self._sc = points, loads, sa, ng, sc
-        self._pm_grow = _prefix_max(list(map(int.__add__, loads, points)))
-        self._pm_const = _prefix_max(loads)
-        self._suffix_max = _suffix_max(loads)
-
-    def _close_point(self, p, sum_q, n, const, residues, points, loads) -> None:
-        """Append the exact load at finish point p of the alive set summarised by the arguments."""
-        block = self.block
-        if block == 1:
-            points.append(p)
-            loads.append(sum_q + n * p + const)
-            return
-        big_q, small_m = divmod(p, block)
-        # ceil((q*B + m + Q*B + M) / B) = q + Q + ceil((m + M) / B), with ceil((m+M)/B) in {0, 1, 2}.
-        if small_m == 0:
-            extra = n - bisect_right(residues, 0)
-        else:
-            extra = n + (len(residues) - bisect_right(residues, block - small_m))
-        points.append(p)
-        loads.append(block * (sum_q + n * big_q + extra) + const)
+    def _peak_blocks(self) -> int:
+        if self._peak is None:
+            self._peak = max(self._blocks, default=0)
+        return self._peak
 
     def load_at(self, step: int) -> int:
         """Exact projected weight at an absolute step."""
-        j = bisect_left(self.points, step)
-        if j == len(self.points):
-            return 0
-        if self.block == 1:
-            return self._sa[j] + self._ng[j] * step + self._sc[j]
-        return self._exact_load(step)
+        return self._load_blocks(step) * self.block
+
+    def _load_blocks(self, step: int) -> int:
+        """Blocks held at `step` by the entries still alive then (O(alive), in C)."""
+        b = self.block
+        offsets = self._grow_offset[bisect_left(self._grow_finish, step) :]
+        if b == 1:
+            grow = sum(offsets) + len(offsets) * step
+        else:
+            grow = sum(map(floordiv, map(add, offsets, repeat(step + b - 1)), repeat(b)))
+        return grow + sum(self._const_blocks[bisect_left(self._const_finish, step) :])
 
     def admits(self, c: Entry, budget: int) -> bool:
         """Would the weight stay within budget at every future step with `c` added?"""
-        block = self.block
-        points, loads = self.points, self.loads
+        b = self.block
+        cap = budget // b  # weights are whole blocks
+        own = -(-c.final // b)  # the candidate's blocks at its finish, its most
+        peak = self._peak_blocks()
+        if peak + own <= cap:
+            return True
+        points, blocks = self.points, self._blocks
         j = bisect_right(points, c.finish)  # points[:j] are the finish points the candidate lives through
-        if self._suffix_max[j] > budget:
+        if peak > cap and max(blocks[j:], default=0) > cap:
             return False
-        if c.growing:
-            low = self._pm_grow[j] + c.offset  # exact when block == 1
-            if low > budget:
-                return False
-            if block > 1 and low + block - 1 > budget:
-                for k in range(j):
-                    if loads[k] + ceil_to(c.offset + points[k], block) > budget:
-                        return False
-        elif self._pm_const[j] + ceil_to(c.final, block) > budget:
+        if not self._fits_while_alive(c, j, cap, own):
             return False
         if j and points[j - 1] == c.finish:
             return True  # the candidate's own finish point was among those checked
-        own = ceil_to(c.final, block)
         if j == len(points):
-            return own <= budget
-        low = self._sa[j] + self._ng[j] * c.finish + self._sc[j]
-        if block == 1:
-            return low + own <= budget
-        if low + own > budget:
-            return False
-        if low + self._ng[j] * (block - 1) + own <= budget:
+            return own <= cap
+        if blocks[j] + own <= cap:
+            return True  # the next point has the same alive set, each grown further: its load bounds this one
+        return self._load_blocks(c.finish) + own <= cap
+
+    def _fits_while_alive(self, c: Entry, j: int, cap: int, own: int) -> bool:
+        """Does `c` fit at each of the first j points (those it lives through)? It holds at most `own`
+        blocks at any of them, so room for that at every point settles it without a pass."""
+        blocks = self._blocks[:j]
+        if max(blocks, default=0) + own <= cap:
             return True
-        return self._exact_load(c.finish) + own <= budget
-
-    def _exact_load(self, step: int) -> int:
-        block = self.block
-        total = 0
-        for e in self._entries[bisect_left(self._entries, step, key=_finish) :]:
-            total += ceil_to(e.offset + step, block) if e.growing else ceil_to(e.final, block)
-        return total
+        if not c.growing:
+            return False
+        b, co = self.block, c.offset + self.block - 1
+        return all(x + (co + p) // b <= cap for x, p in zip(blocks, self.points[:j], strict=True))
 
 
-class PaddedProfile(_Profile):
+class PaddedProfile:
     """Weight = batch size x padded length; the padded length is the longest live context, or for
-    encoder-decoder rows the longest fixed (encoder) part plus the longest rest (decoder)."""
+    encoder-decoder rows the longest fixed (encoder) part plus the longest rest (decoder).
 
-    __slots__ = ("_mc", "_mf", "_mg", "_n")
+    A longest length cannot be taken back out when its request leaves, so `add` and `remove` only edit
+    the entry list, and the loads are rebuilt at the next query (padded batches are small)."""
 
-    def __init__(self, entries: list[Entry]) -> None:
-        ents = sorted(entries, key=_finish)
+    __slots__ = ("_entries", "_mc", "_mf", "_mg", "_n", "_stale", "_suffix_max", "loads", "points")
+
+    def __init__(self, entries: Iterable[Entry] = ()) -> None:
+        self._entries = list(entries)
+        self._build()
+
+    def add(self, e: Entry) -> None:
+        self._entries.append(e)
+        self._stale = True
+
+    def remove(self, e: Entry) -> None:
+        self._entries.remove(e)
+        self._stale = True
+
+    def _build(self) -> None:
+        ents = sorted(self._entries, key=_finish)
         points: list[int] = []
         loads: list[int] = []
         n_alive: list[int] = []
@@ -196,14 +258,25 @@ class PaddedProfile(_Profile):
         self.points, self.loads, self._n = points, loads, n_alive
         self._mg, self._mc, self._mf = max_grow, max_const, max_fixed
         self._suffix_max = _suffix_max(loads)
+        self._stale = False
+
+    def peak(self) -> int:
+        """The highest weight the running set will reach."""
+        if self._stale:
+            self._build()
+        return self._suffix_max[0]
 
     def load_at(self, step: int) -> int:
+        if self._stale:
+            self._build()
         j = bisect_left(self.points, step)
         if j == len(self.points):
             return 0
         return self._n[j] * (self._mf[j] + self._rest(j, step))
 
     def admits(self, c: Entry, budget: int) -> bool:
+        if self._stale:
+            self._build()
         points = self.points
         j = bisect_right(points, c.finish)
         if self._suffix_max[j] > budget:
@@ -226,11 +299,6 @@ class PaddedProfile(_Profile):
 
 def _finish(e: Entry) -> int:
     return e.finish
-
-
-def _prefix_max(values: list[int]) -> list[int]:
-    """out[j] = max(values[:j]), with out[0] = 0 (no points)."""
-    return [0, *accumulate(values, max)] if values else [0]
 
 
 def _suffix_max(values: list[int]) -> list[int]:

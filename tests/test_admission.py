@@ -35,6 +35,30 @@ def test_projection_refuses_a_candidate_that_peaks_over_the_budget():
     assert profile.load_at(40) == 130 and profile.load_at(50) == 60
 
 
+def test_profile_is_updated_in_place_as_requests_come_and_go():
+    # Running (10, 50 left) and (40, 40 left): peak 50 + 80 = 130 at step 40. Without the second, 60 at
+    # step 50; with (5, 20 left) added: 30 + 25 = 55 at step 20, still 60 at step 50.
+    profile = TokenProfile([Entry(50, 10, 60), Entry(40, 40, 80)], 1)
+    profile.remove(Entry(40, 40, 80))
+    assert profile.points == [50] and profile.peak() == 60 and profile.load_at(40) == 50
+    profile.add(Entry(20, 5, 25))
+    assert profile.points == [20, 50] and profile.load_at(20) == 55 and profile.peak() == 60
+    with pytest.raises(ValueError):
+        profile.remove(Entry(20, 6, 26))  # never added
+
+
+def test_a_finish_updates_the_batchers_profile_without_a_rebuild():
+    b = batcher()
+    b.submit(Request("run", 10, 50))
+    b.submit(Request("cand", 60, 5))
+    b.complete(b.schedule(now=0.0))
+    profile = b._get_profile()
+    assert b.projected_peak() == 80  # "cand" finishing at step 5: 15 + 65
+    b.finish("cand")  # early (EOS): only "run" is left, at 60 when it finishes
+    assert b.projected_peak() == 60
+    assert b._get_profile() is profile
+
+
 def test_rejected_candidate_is_admitted_at_the_first_step_it_fits():
     # Admitted at step s, "cand" peaks at step s+40 (with "run" still there while s+40 <= 50:
     # 50+s + 80 > 100) or at step 50 ("run" at 60 plus cand at 40 + 50-s): it fits only from s = 50.

@@ -157,3 +157,83 @@ def test_predictive_mode_never_exceeds_budget(work, quantile):
     run = drive(b, first + reqs, stops | {r.id: r.max_new_tokens for r in reqs})
     assert len(run.finished) == 2 * len(reqs)
     assert not b.running and b._committed == 0
+
+
+@SETTINGS
+@given(
+    ops=st.lists(st.tuples(st.booleans(), entries(max_n=1, fixed=True), st.integers(0, 1000)), max_size=30),
+    cand=entries(max_n=1, fixed=True),
+    model=st.sampled_from(["token", "padded"]),
+    block=st.sampled_from([1, 3, 16]),
+    budget=st.integers(50, 1500),
+)
+def test_profile_updated_in_place_matches_a_fresh_build(ops, cand, model, block, budget):
+    block = block if model == "token" else 1
+    weight = weight_model(model, block)
+    profile = weight.profile([])
+    alive: list[Entry] = []
+    for remove, added, pick in ops:
+        if remove and alive:
+            profile.remove(alive.pop(pick % len(alive)))
+        elif added:
+            profile.add(added[0])
+            alive.append(added[0])
+        fresh = weight.profile(alive)
+        assert profile.peak() == fresh.peak() == brute_peak(alive, model, block)
+        for t in (0, 1, 7, 30, 61):
+            assert profile.load_at(t) == brute_load(alive, model, block, t)
+        if model == "token":
+            assert profile.points == fresh.points
+        if cand:
+            assert profile.admits(cand[0], budget) == (brute_peak([*alive, cand[0]], model, block) <= budget)
+
+
+def assert_profile_follows(b: Batcher) -> None:
+    """The profile, updated in place since the batcher started, equals one built from scratch and the
+    brute-force load of the running set at every finish point."""
+    profile = b._get_profile()
+    assert set(b._entries) == set(b.running)
+    for req in b.running.values():
+        if req.decoding:  # a decoding request's entry stays what a rebuild would compute now
+            expected = Entry(
+                b.step + req.reserved_new - req.generated,
+                req.context_len - b.step,
+                req.reserved_total,
+                True,
+                req.fixed_len,
+            )
+            assert b._entries[req.id] == expected
+    entries = list(b._entries.values())
+    fresh = b.weight.profile(entries)
+    model, block = b.weight.name, b.weight.block_size
+    for t in {b.step, *(e.finish for e in entries)}:
+        assert profile.load_at(t) == fresh.load_at(t) == brute_load(entries, model, block, t)
+    assert profile.peak() == fresh.peak()
+
+
+@SETTINGS
+@given(
+    workloads(),
+    st.sampled_from(["worst_case", "predictive"]),
+    st.sampled_from([0, 3, 32]),
+    st.randoms(use_true_random=False),
+)
+def test_profile_follows_admissions_finishes_cancels_and_preemptions(work, mode, rebuild_after, rnd):
+    cfg, reqs, stop_at = work
+    b = Batcher(replace(cfg, mode=mode, predictive_min_samples=2))
+    b.REBUILD_AFTER = rebuild_after  # 0: every change rebuilds; 32: changes are applied in place
+    # As in the predictive test: the first copies teach short lengths, the second run long (regrow, preempt).
+    first = [Request(f"a{r.id}", r.input_len, r.max_new_tokens, r.arrival_s, fixed_len=r.fixed_len) for r in reqs]
+    stops = {f"a{k}": v for k, v in stop_at.items()} | {r.id: r.max_new_tokens for r in reqs}
+    for r in first + reqs:
+        b.submit(r)
+    now = 0.0
+    while b.running or b.waiting:
+        if b.running and rnd.random() < 0.05:
+            b.cancel(rnd.choice(list(b.running)))
+        for r in b.complete(b.schedule(now)):
+            if r.generated >= stops.get(r.id, r.max_new_tokens):
+                b.finish(r.id)
+        assert_profile_follows(b)
+        now += 0.1
+        assert b.step < 5000, "no progress"
