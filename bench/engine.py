@@ -80,17 +80,22 @@ def run_static16(model, work) -> float:
     return tokens / elapsed
 
 
-def run_hf_cb(model, work, budget: int) -> float:
+def hf_cb_config(work, budget: int, cuda_graphs: bool | None = False):
+    """transformers' continuous batching with an explicit cache of `budget` tokens in pages of 16."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    cb = ContinuousBatchingConfig(
+    return ContinuousBatchingConfig(
         page_size=16,
         num_blocks=budget // 16,
         max_batch_tokens=2048,
         max_requests_per_batch=len(work),
         allow_block_sharing=False,
-        use_cuda_graph=False,
+        use_cuda_graph=cuda_graphs,
     )
+
+
+def run_hf_cb(model, work, budget: int) -> float:
+    cb = hf_cb_config(work, budget)
     t0 = time.perf_counter()
     with model.continuous_batching_context_manager(
         generation_config=no_eos(128), continuous_batching_config=cb, block=True, timeout=5
