@@ -50,7 +50,8 @@ def compile_paged_decode() -> Kernel:
     compiled = torch.compile(paged_decode, fullgraph=True)
 
     def run(q, k_pool, v_pool, table, lens, scale):
-        for t, dims in ((q, (0,)), (table, (0, 1)), (lens, (0,))):
+        # the pools' block count too: engines of different capacities in one process share the kernel
+        for t, dims in ((q, (0,)), (table, (0, 1)), (lens, (0,)), (k_pool, (0,)), (v_pool, (0,))):
             for d in dims:
                 torch._dynamo.maybe_mark_dynamic(t, d)
         return compiled(q, k_pool, v_pool, table, lens, scale)

@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 ROUNDS = (
     ((8, 12), (40, 4), (4, 3), (5, 3)),  # several rows over several blocks, then one row alone (1 and 2+ blocks)
     ((4, 3), (6, 3)),  # several rows within one block
+    ((6, 2),),  # a prompt alone: several tokens, one logits row
 )
 
 

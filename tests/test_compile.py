@@ -92,7 +92,7 @@ def test_compile_setting():
 def test_eager_engine_under_the_test_settings(tiny_loaded):
     if COMPILING:
         pytest.skip("the main process checks that tests run eager")
-    engine = Engine(EngineConfig(max_batch_weight=512), loaded=tiny_loaded)
+    engine = Engine(EngineConfig(max_batch_weight=2048), loaded=tiny_loaded)
     assert not engine.runner.compiled and engine.warmup_s == 0.0
     res = engine.generate([GenerationRequest("a", prompt_token_ids=[5, 6, 7], params=SamplingParams(max_new_tokens=3))])
     assert len(res[0].token_ids) == 3
