@@ -26,7 +26,6 @@ at 0.02 greedy output collapses to a few repeated tokens and equality would mean
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.metadata
 import importlib.util
 import json
@@ -49,36 +48,14 @@ from pathlib import Path
 
 import torch
 
+from bench.device_models import MID, TINY, TINYLLAMA, build_random_llama, free_memory, load_reference, shape_text, sync
 from bench.engine import NEAR_TIE, hf_cb_config, no_eos, requests
 from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from engine.builtin import builtin_path
 from engine.flash import available as flash_available
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16_TIE = 5e-2  # tests/test_cuda.py: bf16 logits are noisy; a divergence below this gap is a tie
 FORBIDDEN = ("celery", "kombu", "redis", "fastapi", "uvicorn", "app", "tasks")  # engine/ must not need them
-COMMON = {"vocab_size": 32000, "max_position_embeddings": 2048, "initializer_range": 0.1, "tie_word_embeddings": False}
-TINYLLAMA = {  # TinyLlama-1.1B's shape: 1.10B parameters with COMMON's vocabulary
-    "hidden_size": 2048,
-    "intermediate_size": 5632,
-    "num_hidden_layers": 22,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-}
-MID = {  # 56M: exact float32 equality at a realistic head_dim and vocabulary, quickly
-    "hidden_size": 512,
-    "intermediate_size": 1408,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-}
-TINY = {
-    "hidden_size": 128,
-    "intermediate_size": 352,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,57 +203,6 @@ def cuda_tests(timeout_s: float) -> dict:
     return out
 
 
-# ----- models --------------------------------------------------------------------------------------------
-def build_random_llama(out: Path, shape: dict, dtype: torch.dtype, device: torch.device, seed: int) -> int:
-    """A seeded random Llama saved with the built-in tokenizer, for the engine to load by path.
-
-    The tokenizer's vocabulary (~1.1k) is smaller than the model's (32k): prompts are given as ids
-    below it, and the detokenizer drops ids it does not know, which is all a benchmark needs."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(builtin_path("tiny"))
-    config = LlamaConfig(
-        **COMMON, **shape, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
-    )
-    torch.manual_seed(seed)
-    try:
-        with device:  # initialise where it will run: 1.1B parameters take seconds on a GPU
-            model = LlamaForCausalLM(config)
-    except Exception as e:  # not seen; slower on the CPU, but the check goes on
-        print(f"device_check: building on {device} failed ({e}); building on the CPU", file=sys.stderr)
-        free_memory()
-        model = LlamaForCausalLM(config)
-    model.to(dtype)
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    params = sum(p.numel() for p in model.parameters())
-    del model
-    free_memory()
-    return params
-
-
-def load_reference(path: Path, dtype: torch.dtype, device: torch.device):
-    """transformers' own model (its SDPA attention): what our engine must agree with."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
-    model.generation_config.eos_token_id = None  # else generate() merges it back and stops at EOS
-    return model
-
-
-def free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 # ----- greedy equality ---------------------------------------------------------------------------------
 def mixed_requests(n: int, max_prompt: int, max_new: int, seed: int) -> list[GenerationRequest]:
     """tests/test_engine.py's mix (1- and 2-token prompts, full-length ones, 1 new token, the most) with
@@ -400,13 +326,6 @@ def greedy_phase(report: Report, sizes: Sizes, device: torch.device, workdir: Pa
         say(report, f"greedy {name}: {paths[name]}")
     del model
     free_memory()
-
-
-def shape_text(shape: dict) -> str:
-    return (
-        f"hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, {shape['num_attention_heads']} heads, "
-        f"{shape['num_key_value_heads']} KV heads, vocab {COMMON['vocab_size']}"
-    )
 
 
 # ----- throughput ----------------------------------------------------------------------------------------
