@@ -3,8 +3,9 @@
 The model runs as usual; every attention layer calls `paged_attention(module, q, k, v, ...)` with
 the `StepMeta` the runner built once for the step (passed through the model's **kwargs as
 `weightq_meta`). Each layer writes its new K/V into the block pool at the step's slots, then
-attends: decoding sequences (one query each) in one batched SDPA call over their gathered blocks,
-prompt chunks one SDPA call each (few per step). The flash-attn backend (flash.py) replaces both
+attends: decoding sequences (one query each) in one batched SDPA call over their gathered blocks
+(compiled runner: a kernel reading the pool in place, engine/decode_kernel.py), prompt chunks one
+SDPA call each (few per step). The flash-attn backend (flash.py) replaces both
 with one varlen call over the block table.
 """
 

@@ -41,14 +41,13 @@ class ModelRunner:
         backend: str,
         device: torch.device,
         *,
-        compile_decode: bool = False,
-        compile_model: bool = False,
+        compiled: bool = False,
     ) -> None:
         self.model = model
-        self.compiled = compile_decode or compile_model
-        self.decode_kernel = compile_paged_decode() if compile_decode else None
+        self.compiled = compiled
+        self.decode_kernel = compile_paged_decode() if compiled else None
         # Attention is an opaque op inside the compiled graph (attention.step_context); token counts are dynamic.
-        self._compiled = torch.compile(model, fullgraph=True) if compile_model else None
+        self._compiled_model = torch.compile(model, fullgraph=True) if compiled else None
         self.cache = cache
         self.backend = backend
         self.device = device
@@ -170,14 +169,14 @@ class ModelRunner:
         ids, pos, keep, meta = self.build(prefill, decode)
         t0 = time.perf_counter()
         rows = len(keep)
-        if self._compiled is not None:
+        if self._compiled_model is not None:
             # The attention op looks pure to the compiler: with no logits to keep, it would drop the
             # whole graph and with it the KV writes of a prompt chunk. One kept row keeps every layer.
             keep = keep if rows else keep.new_tensor([ids.shape[1] - 1])
             for t, dim in ((ids, 1), (pos, 1), (keep, 0)):
                 torch._dynamo.maybe_mark_dynamic(t, dim)
             with step_context(meta):
-                out = self._compiled(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep)
+                out = self._compiled_model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep)
         else:
             out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep, weightq_meta=meta)
         logits = out.logits[0, :rows].float()

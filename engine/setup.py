@@ -106,8 +106,7 @@ def build(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
     )
     log.info("KV cache: %s", why)
     cache = KVCache(lm.geometry, blocks, block, lm.device)
-    compiled = wants_compile(cfg.compile, lm.device, backend)
-    runner = ModelRunner(lm.model, cache, backend, lm.device, compile_decode=compiled, compile_model=compiled)
+    runner = ModelRunner(lm.model, cache, backend, lm.device, compiled=wants_compile(cfg.compile, lm.device, backend))
     try:
         batcher = Batcher(
             BatcherConfig(
