@@ -45,9 +45,18 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.compiled = compiled
-        self.decode_kernel = compile_paged_decode() if compiled else None
+        cfg = getattr(model, "config", None)
+        heads = getattr(cfg, "num_attention_heads", 0)
+        pool = cache.k[0]
+        self.decode_kernel = (
+            compile_paged_decode(heads, pool.shape[2], pool.shape[3], pool.dtype, device) if compiled else None
+        )
+        self._decode_fn = self.decode_kernel.fn if self.decode_kernel else None
         # Attention is an opaque op inside the compiled graph (attention.step_context); token counts are dynamic.
-        self._compiled_model = torch.compile(model, fullgraph=True) if compiled else None
+        import os
+
+        _opts = {"freezing": True} if os.environ.get("WQ_FREEZE") else None
+        self._compiled_model = torch.compile(model, fullgraph=True, options=_opts) if compiled else None
         self.cache = cache
         self.backend = backend
         self.device = device
@@ -117,12 +126,13 @@ class ModelRunner:
                 dec_slots.append(bt[p // bs] * bs + p % bs)
                 lens.append(p + 1)
             if self.backend != "flash":
-                for rows in _split_by_length(lens, bs):
+                ragged = self.decode_kernel is not None and self.decode_kernel.ragged
+                for rows in [list(range(len(lens)))] if ragged else _split_by_length(lens, bs):
                     groups.append(self._decode_group(decode, rows, lens, first))
             slot_parts.append(torch.tensor(dec_slots, dtype=torch.long))
             keep.extend(range(first, first + len(decode)))
         slots = torch.cat(slot_parts).to(self.device)
-        meta = StepMeta(self.cache, slots, len(ids), groups, chunks, decode_kernel=self.decode_kernel)
+        meta = StepMeta(self.cache, slots, len(ids), groups, chunks, decode_kernel=self._decode_fn)
         if self.backend == "flash":
             self._add_varlen(meta, prefill, decode)
         ids_t = torch.tensor(ids, device=self.device).unsqueeze(0)

@@ -59,24 +59,46 @@ def test_the_compiled_engine_matches_generate_and_compiles_nothing_after_warm_up
     assert counters["stats"]["unique_graphs"] == graphs, "a step shape was not covered by the warm-up"
 
 
-def test_the_in_place_decode_kernel_equals_gather_and_sdpa():
-    torch.manual_seed(0)
-    blocks, block, kv_heads, heads, dim = 40, 4, 2, 6, 8
-    k_pool, v_pool = torch.randn(blocks, block, kv_heads, dim), torch.randn(blocks, block, kv_heads, dim)
-    lens = torch.tensor([1, 5, 16, 9])
-    table = torch.randperm(blocks)[:16].view(4, 4)
-    q = torch.randn(4, heads, dim)
+def _decode_case(heads: int, kv_heads: int, dim: int, lens: list[int], block: int = 4, seed: int = 0):
+    """A random pool, a scattered block table, and the attention SDPA gives over each row's context."""
+    g = torch.Generator().manual_seed(seed)
+    nb = -(-max(lens) // block)
+    blocks = len(lens) * nb + 3
+    k_pool = torch.randn(blocks, block, kv_heads, dim, generator=g)
+    v_pool = torch.randn(blocks, block, kv_heads, dim, generator=g)
+    table = torch.randperm(blocks, generator=g)[: len(lens) * nb].view(len(lens), nb)
+    q = torch.randn(len(lens), heads, dim, generator=g)
     want = []
-    for b in range(4):
-        k = k_pool[table[b]].reshape(-1, kv_heads, dim)[: lens[b]].transpose(0, 1)
-        v = v_pool[table[b]].reshape(-1, kv_heads, dim)[: lens[b]].transpose(0, 1)
+    for b, n in enumerate(lens):
+        k = k_pool[table[b]].reshape(-1, kv_heads, dim)[:n].transpose(0, 1)
+        v = v_pool[table[b]].reshape(-1, kv_heads, dim)[:n].transpose(0, 1)
         att = torch.nn.functional.scaled_dot_product_attention(q[b][:, None], k, v, enable_gqa=True)
         want.append(att[:, 0])
-    want = torch.stack(want)
-    torch.testing.assert_close(paged_decode(q, k_pool, v_pool, table, lens, dim**-0.5), want)
+    return (q, k_pool, v_pool, table, torch.tensor(lens), dim**-0.5), torch.stack(want)
+
+
+def test_the_in_place_decode_kernels_equal_gather_and_sdpa():
+    args, want = _decode_case(6, 2, 8, [1, 5, 16, 9])
+    torch.testing.assert_close(paged_decode(*args), want)
+    # the C++ kernel needs no dynamo: it is checked in the main (eager) process too
+    for heads, kv_heads, dim, lens in ((6, 2, 8, [1, 5, 16, 9]), (8, 4, 32, [3, 200, 64, 17, 1]), (4, 4, 16, [33])):
+        args, want = _decode_case(heads, kv_heads, dim, lens, seed=heads + dim)
+        kernel = compile_paged_decode(heads, kv_heads, dim, torch.float32, torch.device("cpu"))
+        assert kernel.name == "cpp" and kernel.ragged
+        torch.testing.assert_close(kernel.fn(*args), want)
     if COMPILING:
-        kernel = compile_paged_decode()
-        torch.testing.assert_close(kernel(q, k_pool, v_pool, table, lens, dim**-0.5), want)
+        args, want = _decode_case(6, 2, 8, [1, 5, 16, 9])
+        kernel = compile_paged_decode(6, 2, 8, torch.bfloat16, torch.device("cpu"))  # not float32: inductor's
+        assert kernel.name == "inductor" and not kernel.ragged
+        torch.testing.assert_close(kernel.fn(*args), want)
+
+
+def test_a_head_size_the_vector_width_does_not_divide_falls_back_to_the_inductor_kernel(caplog):
+    kernel = compile_paged_decode(2, 1, 3, torch.float32, torch.device("cpu"))
+    assert kernel.name == "inductor" and "C++ decode kernel unavailable" in caplog.text
+    if COMPILING:
+        args, want = _decode_case(2, 1, 3, [2, 7])
+        torch.testing.assert_close(kernel.fn(*args), want)
 
 
 def test_compile_setting():
