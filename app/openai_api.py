@@ -13,7 +13,7 @@ from tasks.schema import RequestError, field_name
 # Accepted and ignored: they change nothing about the generation.
 IGNORED = {"user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls"}
 # Extensions beyond OpenAI (as vLLM accepts them), passed through to the job.
-EXTRAS = {"top_k", "repetition_penalty", "ignore_eos"}
+EXTRAS = {"top_k", "repetition_penalty", "ignore_eos", "stop_token_ids"}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed"} | IGNORED | EXTRAS
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix", "presence_penalty",
                               "frequency_penalty", "logit_bias"}  # fmt: skip

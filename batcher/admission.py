@@ -136,8 +136,9 @@ class Batcher:
         req = self.running.pop(request_id)
         self._release(req)
         del self._order[req.id]
-        if self.estimator is not None:
+        if self.estimator is not None and not req.runs_to_max:
             self.estimator.observe(req.generated)
+            self.estimator.relax()
         self._idle = False
         return req
 
@@ -164,7 +165,7 @@ class Batcher:
         est = self.estimator
         if est is not None and self.running:
             if est.pending >= self.REFRESH_EVERY or (est.pending and not self.step % self.REFRESH_EVERY):
-                est.refresh([r.generated for r in self.running.values()])
+                est.refresh([r.generated for r in self.running.values() if not r.runs_to_max])
             plan.preempted = self._regrow()
         prefill_state = self._running_work(plan)
         if self.waiting and not self._idle:
@@ -221,7 +222,7 @@ class Batcher:
         self._idle = False
 
     def _reserve(self, req: Request) -> int:
-        if self.estimator is None:
+        if self.estimator is None or req.runs_to_max or req.preemptions >= self.config.max_preemptions:
             return req.max_new_tokens
         return self.estimator.reserve(req.max_new_tokens, req.generated)
 
@@ -427,10 +428,15 @@ class Batcher:
                 self._set_entry(req.id, self._decoding_entry(req))
                 self._running_changed()
         preempted: list[Request] = []
+        cap = self.config.max_preemptions
         while self.running and self._next_weight() > self.budget:
-            victim = max(self.running.values(), key=lambda r: self._order[r.id])
+            # the newest request that has not used up its preemptions (else the newest): it has the least work
+            # to redo, and a request never waits behind more than `cap` restarts of its own
+            victim = max(self.running.values(), key=lambda r: (r.preemptions < cap, self._order[r.id]))
             self._preempt(victim)
             preempted.append(victim)
+        if preempted and self.estimator is not None:
+            self.estimator.tighten()
         return preempted
 
     def _next_weight(self) -> int:

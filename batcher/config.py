@@ -31,6 +31,10 @@ class BatcherConfig:
         which bounds the cost of a step when thousands wait.
     mode: "worst_case" reserves max_new_tokens (never preempts); "predictive" reserves an estimated
         output length and preempts the newest requests when a reservation must grow and cannot.
+    predictive_quantile: the share of requests whose reservation should hold without growing; the
+        batcher raises it after a preemption and lets it ease back while nothing is preempted.
+    max_preemptions: a request preempted this many times is readmitted with its worst case reserved
+        and is not preempted again while others can be.
     """
 
     max_batch_weight: int | None = None
@@ -47,6 +51,7 @@ class BatcherConfig:
     predictive_quantile: float = 0.88
     predictive_min_samples: int = 32
     predictive_window: int = 4096
+    max_preemptions: int = 2
 
     def resolved(self) -> BatcherConfig:
         """Fill in max_batch_weight and check that one maximal request fits; raises ConfigError."""
@@ -63,6 +68,8 @@ class BatcherConfig:
             raise ConfigError(f"mode must be 'worst_case' or 'predictive' (got {cfg.mode!r})")
         if cfg.weight_model == "padded" and cfg.chunked_prefill and cfg.max_prefill_weight:
             cfg = replace(cfg, chunked_prefill=False)  # a padded batch prefills whole prompts
+        if cfg.max_preemptions < 0:
+            raise ConfigError(f"max_preemptions must be >= 0 (got {cfg.max_preemptions})")
         if not 0.0 < cfg.predictive_quantile <= 1.0:
             raise ConfigError(f"predictive_quantile must be in (0, 1] (got {cfg.predictive_quantile})")
         one = _round_up(cfg.max_total_tokens, cfg.block_size if cfg.weight_model == "token" else 1)

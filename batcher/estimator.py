@@ -17,14 +17,30 @@ class OutputLengthEstimator:
     finished requests, or a quantile beyond every observation) it reserves max_new_tokens.
     """
 
+    # The safety margin adapts: a preemption (a reservation outgrown with no room left) halves the share
+    # of requests allowed to outgrow theirs; every request that finishes eases it back 2% toward the base.
+    TIGHTEN = 0.5
+    RELAX = 1.02
+    MIN_MISS = 0.005
+
     def __init__(self, quantile: float = 0.88, min_samples: int = 32, window: int = 4096) -> None:
         self.quantile = quantile
+        self.base_quantile = quantile
         self.min_samples = min_samples
         self._recent: deque[int] = deque(maxlen=window)
         self._sorted: list[int] = []
         self._times: list[int] = []  # distinct observed lengths, ascending
         self._neg_surv: list[float] = []  # -S(t) at each of those lengths (ascending, for bisect)
         self.pending = 0  # observations since the last refresh
+
+    def tighten(self) -> None:
+        miss = max(self.MIN_MISS, (1.0 - self.quantile) * self.TIGHTEN)
+        self.quantile = max(self.quantile, 1.0 - miss)
+
+    def relax(self) -> None:
+        if self.quantile > self.base_quantile:
+            miss = min(1.0 - self.base_quantile, (1.0 - self.quantile) * self.RELAX)
+            self.quantile = 1.0 - miss
 
     def __len__(self) -> int:
         return len(self._sorted)

@@ -36,6 +36,7 @@ class Request:
     admitted_step: int = -1
     preemptions: int = 0
     fixed_len: int = 0
+    runs_to_max: bool = False  # nothing can end it early (EOS ignored, no stop conditions): its length is known
 
     @property
     def context_len(self) -> int:

@@ -2,6 +2,7 @@
 
     make peer                      # once: vLLM's CPU build in .venv-peer (never part of `make test`)
     python -m bench.peer --json    # [--rounds 3] [--cases 64,256,1024,256@4096] [--threads K]
+                                   # [--suite all|throughput|pressure] [--pressure-kv 4096,8192]
                                    # [--weightq-config KEY=VALUE ...] [--vllm-config KEY=VALUE ...]
 
 Workload: bench.engine's (prompts of 16-256 random token ids, 8-128 new tokens, greedy, EOS ignored, fixed
@@ -28,6 +29,8 @@ workload on one side, then on the other (the order swaps every round; the sides 
   reference (transformers, fp32) top1-top2 logit gap at the first differing position is < 1e-4, as
   bench.engine counts it, is a match and is listed in near_ties; anything else is listed in mismatches.
 - settings: what each side ran with, read back from each engine.
+- pressure: the memory-pressure cases (output lengths decided by stop_token_ids, KV capacity fixed, each
+  weightq batcher mode against vLLM): see bench/peer_pressure.py for their figures.
 Without the peer venv it says how to make it and exits with status 2. A default run took ~10 minutes on 2 idle
 cores (vLLM start-up ~1 minute per KV setting; 1,024 requests ~1 minute a round), 35 when they were shared.
 """
@@ -280,6 +283,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cases", default="64,256,1024,256@4096", help="N (KV for the whole workload) or N@KV_TOKENS")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--suite",
+        choices=("all", "throughput", "pressure"),
+        default="all",
+        help="throughput: --cases; pressure: the memory-pressure cases (bench/peer_pressure.py)",
+    )
+    ap.add_argument("--pressure-kv", default="4096,8192", help="KV capacities (tokens) of the pressure cases")
     ap.add_argument("--threads", type=int, default=0, help="torch threads on both sides (0: torch's default here)")
     ap.add_argument("--weightq-config", nargs="*", default=[], metavar="KEY=VALUE", help="EngineConfig fields")
     ap.add_argument("--vllm-config", nargs="*", default=[], metavar="KEY=VALUE", help="extra LLM(...) arguments")
@@ -303,6 +313,10 @@ def main() -> None:
         ap.error(str(e))
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    try:
+        pressure_kv = [int(k) for k in args.pressure_kv.split(",") if k.strip()]
+    except ValueError:
+        ap.error(f"--pressure-kv: a comma-separated list of token counts (got {args.pressure_kv!r})")
 
     import torch
 
@@ -318,10 +332,12 @@ def main() -> None:
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": args.vllm_bind or omp_bind(args.threads)}
     env.pop("PYTHONPATH", None)
 
-    out: dict[str, Any] = {"settings": {}, "cases": [], "kv_settings": [], "startup_s": {}}
+    from bench.peer_pressure import MAX_TOKENS, REQUESTS, STOP_TOKEN_IDS, run_pressure
+
+    out: dict[str, Any] = {"settings": {}, "cases": [], "kv_settings": [], "startup_s": {}, "pressure": []}
     settings: dict[str, Any] = {}
     try:
-        for kv_tokens, sizes in kv_groups(cases):
+        for kv_tokens, sizes in kv_groups(cases) if args.suite != "pressure" else []:
             group, kv_setting, startup, wq_settings, vllm_settings = run_group(
                 args, kv_tokens, sizes, python, env, wq_overrides
             )
@@ -330,18 +346,30 @@ def main() -> None:
             for side, seconds in startup.items():  # one figure per KV setting, in the order of kv_settings
                 out["startup_s"].setdefault(side, []).append(round(seconds, 2))
             settings = {"weightq": wq_settings, "vllm": vllm_settings}
+        for kv_tokens in pressure_kv if args.suite != "throughput" else []:
+            out["pressure"].append(run_pressure(args, kv_tokens, python, env, wq_overrides))
     except PeerError as e:
         print(f"bench.peer: {e}\nIf vllm is missing from the peer venv, run `make peer`.", file=sys.stderr)
         sys.exit(2)
-    settings["weightq"]["config"].pop("max_batch_weight")  # per KV setting: see kv_tokens
-    for key in ("max_num_seqs", "num_gpu_blocks", "kv_tokens"):
-        settings["vllm"].pop(key, None)  # per KV setting: see kv_settings
+    if settings:
+        settings["weightq"]["config"].pop("max_batch_weight")  # per KV setting: see kv_tokens
+        for key in ("max_num_seqs", "num_gpu_blocks", "kv_tokens"):
+            settings["vllm"].pop(key, None)  # per KV setting: see kv_settings
     out["settings"] = {
         **settings,
         "torch_threads": args.threads,
         "rounds": args.rounds,
         "seed": args.seed,
         "workload": {"prompt_tokens": "16-256", "new_tokens": "8-128", "greedy": True, "ignore_eos": True},
+        "pressure_workload": {
+            "requests": REQUESTS,
+            "prompt_tokens": "16-256",
+            "max_tokens": MAX_TOKENS,
+            "stop_token_ids": list(STOP_TOKEN_IDS),
+            "greedy": True,
+            "ignore_eos": True,
+            "kv_tokens": pressure_kv,
+        },
         "settle_s": SETTLE_S,
         "peer_log": str(args.peer_log),
     }

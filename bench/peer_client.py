@@ -81,8 +81,11 @@ class VllmPeer:
         self._log_file.flush()
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
-    def run(self, work: list[tuple[list[int], int]], token_ids: bool = False) -> dict[str, Any]:
-        return self._ask({"cmd": "run", "work": work, "token_ids": token_ids})
+    def run(
+        self, work: list[tuple[list[int], int]], token_ids: bool = False, params: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Generate greedily (EOS ignored unless `params` say otherwise; `params` are extra SamplingParams)."""
+        return self._ask({"cmd": "run", "work": work, "token_ids": token_ids, "params": params or {}})
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -144,7 +144,8 @@ def main() -> None:
             if msg["cmd"] == "exit":
                 break
             prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in msg["work"]]
-            params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in msg["work"]]
+            extra = {"ignore_eos": True, **msg.get("params", {})}
+            params = [SamplingParams(temperature=0.0, max_tokens=n, **extra) for _, n in msg["work"]]
             # The same prompts come back every round: without this vLLM's prefix cache (on by default)
             # would skip their prefill from the second round on.
             llm.reset_prefix_cache()

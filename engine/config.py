@@ -22,6 +22,8 @@ class EngineConfig:
         place, and the model's forward with dynamic token counts); compiled and warmed up at
         start-up (logged). "auto" turns it on where it was measured to win (CPU, paged runner), unless
         TORCH_COMPILE_DISABLE=1.
+    mode / predictive_quantile / max_preemptions: the batcher's admission mode and its predictive
+        settings (batcher/config.py).
     torch_threads: torch's intra-op threads for the engine (process-wide); 0 keeps torch's default
         (one per core). With other busy processes on the same cores, fewer threads than cores avoid
         parallel regions that wait for a descheduled thread (README: "Threads").
@@ -44,6 +46,7 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.85
     mode: Literal["worst_case", "predictive"] = "worst_case"
     predictive_quantile: float = 0.88
+    max_preemptions: int = 2
     jump_window_s: float = 1.0
     max_wait_s: float = 30.0
     seed: int = 0

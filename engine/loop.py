@@ -122,7 +122,8 @@ class Engine:
             raise RuntimeError("generate() runs the engine on the calling thread: stop() the loop first")
         handles = [self.submit(r) for r in requests]
         while any(h.final is None for h in handles):
-            if not self.step() and not self._inbox and not self._cancels:
+            idle = not self.step() and not self._inbox and not self._cancels
+            if idle and any(h.final is None for h in handles):  # a refused request finishes in the idle step
                 raise RuntimeError("engine idle with unfinished requests")
         return [h.final for h in handles]  # type: ignore[misc]
 
@@ -212,9 +213,11 @@ class Engine:
         tokens = sample(logits, emitted, self._generator) if emitted else []
         done = time.monotonic()
         eos = self.lm.eos_token_ids
-        # One detokenizer pass for every token that has text; None marks an EOS that ends its request.
+        # One detokenizer pass for every token that has text; None marks an EOS or stop id that ends its request.
         texting = [
-            i for i, (s, t) in enumerate(zip(emitted, tokens, strict=True)) if t not in eos or s.params.ignore_eos
+            i
+            for i, (s, t) in enumerate(zip(emitted, tokens, strict=True))
+            if (t not in eos or s.params.ignore_eos) and t not in s.params.stop_token_ids
         ]
         deltas: list[str | None] = [None] * len(emitted)
         pieces = push_many([emitted[i].detok for i in texting], [tokens[i] for i in texting])
@@ -235,11 +238,15 @@ class Engine:
         ids = prompt_ids(self.tokenizer, self.config.model, request)
         if not ids:
             raise InvalidRequest("prompt", "must not be empty")
+        vocab = len(self.tokenizer)
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequest("stop_token_ids", f"every id must be an integer in [0, {vocab})")
         if len(ids) > self.max_input_length:
             raise InvalidRequest("prompt", f"{len(ids)} tokens exceeds max_input_length {self.max_input_length}")
         # An encoder-decoder's input is its encoder's: padded on its own, the batcher's fixed part.
         fixed = len(ids) if self.lm.seq2seq else 0
         sched = Request(request.id, len(ids), params.max_new_tokens, arrival_s=now, fixed_len=fixed)
+        sched.runs_to_max = params.ignore_eos and not params.stop and not params.stop_token_ids
         self.batcher.check(sched)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         return Sequence(
@@ -275,21 +282,21 @@ class Engine:
                 self._finish(seq, "cancelled")
 
     def _accept(self, seq: Sequence, token: int, delta: str | None, now: float) -> None:
-        """Record a sampled token; `delta` is its new text, None for an EOS that ends the request."""
+        """Record a sampled token; `delta` is its new text, None for an EOS or stop id that ends the request."""
         seq.token_ids.append(token)
         req = seq.sched
         if req.generated == 1:
             seq.first_token_s = now
         reason: FinishReason | None = None
         if delta is None:
-            reason, piece = "eos", ""
+            reason, piece = ("stop" if token in seq.params.stop_token_ids else "eos"), ""
         else:
             piece, stopped = seq.stopper.feed(delta)
             if stopped:
                 reason = "stop"
             elif req.generated >= req.max_new_tokens:
                 reason = "length"
-        if reason in ("eos", "length"):
+        if reason in ("eos", "length") or (reason == "stop" and delta is None):
             tail, stopped = seq.stopper.feed(seq.detok.flush())
             piece += tail
             if stopped:

@@ -28,6 +28,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # token ids that end the request when sampled (finish reason "stop"): the id is kept in token_ids, its
+    # text is not emitted (as vLLM does); ignore_eos does not apply to them
+    stop_token_ids: tuple[int, ...] = ()
 
     def validate(self) -> None:
         def finite(name: str, value: float) -> None:
@@ -51,6 +54,8 @@ class SamplingParams:
             raise InvalidRequest("seed", f"must be an integer in [0, 2**63) (got {self.seed!r})")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequest("stop", "every stop sequence must be a non-empty string")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequest("stop_token_ids", "every entry must be a non-negative integer")
 
 
 @dataclass(slots=True)

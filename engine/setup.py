@@ -120,6 +120,7 @@ def build(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
                 max_wait_s=cfg.max_wait_s,
                 mode=cfg.mode,
                 predictive_quantile=cfg.predictive_quantile,
+                max_preemptions=cfg.max_preemptions,
             )
         )
     except ConfigError as e:

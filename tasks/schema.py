@@ -15,6 +15,7 @@ from engine import SamplingParams
 MAX_PROMPT_CHARS = 1_000_000
 MAX_STOP = 32
 MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 MAX_NEW_TOKENS = 1_000_000
 MAX_MESSAGES = 512
 ROLES = ("system", "user", "assistant", "tool")
@@ -31,6 +32,7 @@ FIELDS = {
     "repetition_penalty",
     "seed",
     "stop",
+    "stop_token_ids",
     "ignore_eos",
 }
 
@@ -115,6 +117,11 @@ def parse_request(data: object) -> JobSpec:
         raise RequestError("stop", f"every stop sequence must be a string of 1 to {MAX_STOP_CHARS} characters")
     for s in stop:
         _utf8("stop", s)
+    stop_ids = data.get("stop_token_ids", [])
+    if not isinstance(stop_ids, list) or len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise RequestError("stop_token_ids", f"must be a list of at most {MAX_STOP_TOKEN_IDS} token ids")
+    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < 2**31 for t in stop_ids):
+        raise RequestError("stop_token_ids", "every entry must be an integer in [0, 2**31)")
     seed = data.get("seed")
     if seed is not None:
         seed = _int(data, "seed", 0, 0, 2**63 - 1)
@@ -130,6 +137,7 @@ def parse_request(data: object) -> JobSpec:
         seed=seed,
         stop=tuple(stop),
         ignore_eos=ignore_eos,
+        stop_token_ids=tuple(stop_ids),
     )
     return JobSpec(rid, prompt, list(ids) if ids is not None else None, params, messages)
 

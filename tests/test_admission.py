@@ -244,3 +244,49 @@ def test_room_counts_waiting_work_so_prefetch_never_stalls_on_the_prefill_cap():
     for i in range(3, 10):
         b.submit(Request(f"r{i}", 20, 80))
     assert b.room_for() == 0  # what waits already fills the budget: take nothing more
+
+
+def _taught(budget: int, **kw) -> Batcher:
+    """A predictive batcher whose estimator has seen outputs of 10 tokens."""
+    cfg = BatcherConfig(
+        max_batch_weight=budget, max_total_tokens=200, mode="predictive", predictive_min_samples=4,
+        jump_window_s=1e9, **kw,
+    )  # fmt: skip
+    b = Batcher(cfg)
+    warm = [Request(f"w{i}", 5, 100) for i in range(6)]
+    drive(b, warm, {r.id: 10 for r in warm})
+    b.estimator.refresh([])
+    return b
+
+
+def test_a_request_that_cannot_stop_early_reserves_its_max_and_teaches_nothing():
+    b = _taught(1000)
+    seen = len(b.estimator)
+    sure = Request("sure", 20, 100, arrival_s=10.0, runs_to_max=True)
+    maybe = Request("maybe", 20, 100, arrival_s=10.0)
+    drive(b, [sure, maybe], {"maybe": 8})
+    assert sure.reserved_new == 100 and maybe.reserved_new < 20
+    assert len(b.estimator) == seen + 1  # only "maybe" was observed
+    assert b.stats.preemptions == 0
+
+
+def test_preemptions_are_capped_per_request_and_tighten_the_margin():
+    b = _taught(200, max_preemptions=1)
+    base = b.estimator.quantile
+    reqs = [Request(f"r{i}", 20, 80, arrival_s=10.0) for i in range(4)]
+    run = drive(b, reqs)  # all run far past the 10-token estimate: the budget forces preemptions
+    assert set(run.finished) == {r.id for r in reqs}
+    assert b.stats.preemptions > 0
+    assert max(r.preemptions for r in reqs) == 1  # a capped request is readmitted at its worst case, never again
+    assert b.estimator.quantile > base  # outgrown reservations raised the margin
+
+
+def test_the_margin_eases_back_as_requests_finish():
+    from batcher.estimator import OutputLengthEstimator
+
+    est = OutputLengthEstimator(quantile=0.8)
+    est.tighten()
+    assert est.quantile == pytest.approx(0.9)
+    for _ in range(200):
+        est.relax()
+    assert est.quantile == pytest.approx(0.8)

@@ -231,6 +231,29 @@ def test_cancel_a_queued_request(tiny_loaded):
     assert a.final.completion_tokens == 50
 
 
+def test_stop_token_ids_end_generation_keep_the_id_and_drop_its_text(tiny_loaded):
+    engine = Engine(EngineConfig(check_invariants=True), loaded=tiny_loaded)
+    free = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    base = engine.generate([GenerationRequest("base", prompt="The engine", params=free)])[0]
+    stop_id = base.token_ids[7]
+    cut = base.token_ids.index(stop_id)  # its first occurrence ends the request
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True, stop_token_ids=(stop_id,))
+    handle = engine.submit(GenerationRequest("s", prompt="The engine", params=params), stream=True)
+    while handle.final is None:
+        engine.step()
+    events = list(handle.events(timeout=0))
+    final = events[-1]
+    assert final.reason == "stop"
+    assert final.token_ids == base.token_ids[: cut + 1]  # the stop id is the last token
+    assert events[-2].token_id == stop_id and events[-2].text == ""
+    assert "".join(e.text for e in events[:-1]) == final.text
+    assert base.text.startswith(final.text) and len(final.text) < len(base.text)
+    bad = engine.generate(
+        [GenerationRequest("b", prompt="x", params=SamplingParams(stop_token_ids=(len(tiny_loaded.tokenizer),)))]
+    )[0]
+    assert bad.reason == "error" and bad.error.startswith("stop_token_ids")
+
+
 def test_bad_requests_fail_alone_with_errors_naming_the_field(tiny_loaded):
     engine = Engine(EngineConfig(check_invariants=True, max_total_tokens=128), loaded=tiny_loaded)
     bad = {
@@ -291,6 +314,8 @@ def test_invalid_params_raise_with_the_field():
         SamplingParams(top_k=-3).validate()
     with pytest.raises(InvalidRequest, match=r"^stop"):
         SamplingParams(stop=("",)).validate()
+    with pytest.raises(InvalidRequest, match=r"^stop_token_ids"):
+        SamplingParams(stop_token_ids=(-1,)).validate()
 
 
 def test_kv_capacity_derivation(tiny_loaded):

@@ -57,6 +57,14 @@ def test_lone_surrogates_are_refused_by_field():
         assert e.value.field == field
 
 
+def test_stop_token_ids_are_checked_by_field():
+    assert parse_request({"prompt": "a", "stop_token_ids": [3, 5]}).params.stop_token_ids == (3, 5)
+    for bad in ("7", [True], [-1], [2**31], list(range(65)), {"a": 1}):
+        with pytest.raises(RequestError) as e:
+            parse_request({"prompt": "a", "stop_token_ids": bad})
+        assert e.value.field == "stop_token_ids"
+
+
 @settings(max_examples=EXAMPLES * 4, deadline=None)
 @given(request_dicts(FIELDS) | json_values)
 def test_schema_refuses_by_field_or_accepts(data):

@@ -97,6 +97,8 @@ def test_models_health_and_auth(stack):
         ({"prompt": "hi", "max_tokens": 100_000}, "max_new_tokens"),  # over max_total_tokens: the worker says so
         ({"prompt": "hi", "n": 2}, "n"),
         ({"prompt": "hi", "temperature": -1}, "temperature"),
+        ({"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"prompt": "hi", "stop_token_ids": [10**6]}, "stop_token_ids"),  # past the vocabulary: the worker says so
         ({"prompt": "hi", "logprobs": 3}, "logprobs"),
         ({"prompt": "hi", "model": "gpt-4"}, "model"),
         ({"prompt": "hi", "bogus": 1}, "bogus"),
