@@ -37,7 +37,7 @@ class Settings:
     max_total_tokens: int = 0  # 0: the model's context limit
     kv_cache_mb: int = 512  # CPU KV budget when max_batch_weight is derived from memory
     gpu_memory_fraction: float = 0.85
-    batcher_mode: str = "worst_case"  # or "predictive"
+    batcher_mode: str = "auto"  # predictive on the paged runner, worst_case on the padded one; or either
     runner: str = "auto"  # paged | padded | auto (padded for T5/BART and models without the attention interface)
     compile: str = "auto"  # torch.compile the paged runner: auto (on for CPU) | on | off
     torch_threads: int = 0  # the engine's intra-op threads; 0: torch's default (one per core)

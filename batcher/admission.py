@@ -54,12 +54,16 @@ class BatcherStats:
     preemptions: int = 0
     preempted_tokens: int = 0
     idle_passes: int = 0
+    generated_tokens: int = 0
 
 
 class Batcher:
     """Weight-aware admission over one waiting queue and one running set."""
 
     REFRESH_EVERY = 16  # predictive mode: refresh the length estimate after this many finishes (or steps)
+    # predictive mode: while recomputed (preempted) tokens stay under this share of the generated ones, a
+    # preemption leaves the estimator's margin alone; past it, every preemption raises the quantile
+    PREEMPT_SHARE = 0.02
     REBUILD_AFTER = 32  # more entry changes than this before a decision: rebuild the profile instead
 
     def __init__(self, config: BatcherConfig) -> None:
@@ -196,6 +200,7 @@ class Batcher:
             req.prefilled += 1
             req.generated += 1
             emitted.append(req)
+        self.stats.generated_tokens += len(emitted)
         return emitted
 
     # ----- internals ----------------------------------------------------------------------------
@@ -435,7 +440,8 @@ class Batcher:
             victim = max(self.running.values(), key=lambda r: (r.preemptions < cap, self._order[r.id]))
             self._preempt(victim)
             preempted.append(victim)
-        if preempted and self.estimator is not None:
+        st = self.stats
+        if preempted and self.estimator is not None and st.preempted_tokens > self.PREEMPT_SHARE * st.generated_tokens:
             self.estimator.tighten()
         return preempted
 

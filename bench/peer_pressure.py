@@ -153,8 +153,7 @@ def run_pressure(args, kv_tokens: int, python: Path, env: dict[str, str], wq_ove
                     )
                 else:
                     runs[side].append(run_mode(engines[side], work, f"{side}{r}-"))
-            figures = ", ".join(f"{s} {runs[s][-1]['tok_s']:.0f} tok/s" for s in sides)
-            log(f"round {r + 1}: {figures}")
+                log(f"round {r + 1}: {side} {runs[side][-1]['tok_s']:.0f} tok/s in {runs[side][-1]['wall_s']:.1f}s")
     finally:
         peer.close()
     theirs = runs["vllm"][0]["ids"]

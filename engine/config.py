@@ -23,7 +23,9 @@ class EngineConfig:
         start-up (logged). "auto" turns it on where it was measured to win (CPU, paged runner), unless
         TORCH_COMPILE_DISABLE=1.
     mode / predictive_quantile / max_preemptions: the batcher's admission mode and its predictive
-        settings (batcher/config.py).
+        settings (batcher/config.py). "auto" is predictive on the paged runner (measured to win under
+        memory pressure: bench.peer --suite pressure) and worst_case on the padded one (it cannot
+        preempt).
     torch_threads: torch's intra-op threads for the engine (process-wide); 0 keeps torch's default
         (one per core). With other busy processes on the same cores, fewer threads than cores avoid
         parallel regions that wait for a descheduled thread (README: "Threads").
@@ -44,7 +46,7 @@ class EngineConfig:
     max_prefill_weight: int = 2048
     cpu_kv_bytes: int = 512 * 2**20
     gpu_memory_fraction: float = 0.85
-    mode: Literal["worst_case", "predictive"] = "worst_case"
+    mode: Literal["auto", "worst_case", "predictive"] = "auto"
     predictive_quantile: float = 0.88
     max_preemptions: int = 2
     jump_window_s: float = 1.0

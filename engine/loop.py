@@ -149,7 +149,7 @@ class Engine:
             "runner": self.lm.runner,
             "compiled": self.runner.compiled,
             "warmup_s": round(self.warmup_s, 1),
-            "mode": self.config.mode,
+            "mode": self.batcher.config.mode,
         }
 
     # ----- engine thread --------------------------------------------------------------------------

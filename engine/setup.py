@@ -118,7 +118,7 @@ def build(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
                 block_size=block,
                 jump_window_s=cfg.jump_window_s,
                 max_wait_s=cfg.max_wait_s,
-                mode=cfg.mode,
+                mode="predictive" if cfg.mode == "auto" else cfg.mode,
                 predictive_quantile=cfg.predictive_quantile,
                 max_preemptions=cfg.max_preemptions,
             )
@@ -141,8 +141,10 @@ def wants_compile(setting: str, device: torch.device, backend: str) -> bool:
 
 
 def _build_padded(cfg: EngineConfig, lm: LoadedModel, max_total: int, max_input: int) -> EngineParts:
-    if cfg.mode != "worst_case":
+    if cfg.mode == "predictive":
         raise ConfigError("mode: the padded runner supports worst_case only (predictive mode preempts)")
+    if cfg.mode not in ("auto", "worst_case"):
+        raise ConfigError(f"mode must be 'auto', 'worst_case' or 'predictive' (got {cfg.mode!r})")
     tok = lm.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else getattr(lm.model.config, "pad_token_id", None)
     runner = PaddedRunner(lm.model, lm.device, pad_id=pad or 0, decoder_start_id=lm.decoder_start_id)

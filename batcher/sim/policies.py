@@ -2,7 +2,8 @@
 
 static:     a fixed max_batch_size sized for the worst case (budget // max_total_tokens), FIFO.
 tgi:        upstream TGI's rule: sum of (input + max_new_tokens) within the budget, strict FIFO.
-optimistic: admits on current usage; when memory runs out, preempts the newest (recompute).
+optimistic: admits on current usage; preempts the newest (recompute) before a step whose growth
+            would not fit, as vLLM does when the next token's block cannot be allocated.
 weighted:   exact projection, bounded jumping, prefill cap (the default batcher).
 predictive: reserves an estimated output length; grows reservations, preempting if they cannot grow.
 oracle:     exact projection with every true output length known (an upper bound).
@@ -35,18 +36,21 @@ class TgiBatcher(Batcher):
 
 
 class OptimisticBatcher(Batcher):
-    """Admits on current usage; when a step's growth overflows the budget, preempts the newest."""
+    """Admits on current usage; before a step whose growth would not fit, preempts the newest (vLLM's
+    scheduler: a request whose next token's block cannot be allocated preempts the newest running one).
+    Like vLLM it never runs a step over the budget, and pays for it in recomputed tokens."""
 
     def __init__(self, config: BatcherConfig) -> None:
         super().__init__(replace(config, jump_window_s=0.0, mode="worst_case"))
 
     def fits(self, req: Request, chunk: int | None = None, ahead: int = 0) -> bool:
-        used = self.weight.batch([r.context_len for r in self.running.values()] + [req.context_len])
+        # like vLLM, the running requests' next slots are allocated before a waiting prompt's blocks
+        used = self.weight.batch([r.context_len + 1 for r in self.running.values()] + [req.context_len + 1])
         return used <= self.budget
 
     def schedule(self, now: float) -> StepPlan:
         preempted: list[Request] = []
-        while self.running and self.batch_weight() > self.budget:
+        while self.running and self._next_weight() > self.budget:
             victim = max(self.running.values(), key=lambda r: self._order[r.id])
             self._preempt(victim)
             preempted.append(victim)
