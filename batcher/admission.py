@@ -13,6 +13,7 @@ arrived within jump_window_s after it, and never once that one has waited max_wa
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
@@ -62,7 +63,7 @@ class Batcher:
 
     REFRESH_EVERY = 16  # predictive mode: refresh the length estimate after this many finishes (or steps)
     # predictive mode: while recomputed (preempted) tokens stay under this share of the generated ones, a
-    # preemption leaves the estimator's margin alone; past it, every preemption raises the quantile
+    # preemption leaves the estimator's margin alone; past it, every preemption widens the margin
     PREEMPT_SHARE = 0.02
     REBUILD_AFTER = 32  # more entry changes than this before a decision: rebuild the profile instead
 
@@ -71,7 +72,7 @@ class Batcher:
         self.budget: int = cfg.max_batch_weight  # type: ignore[assignment]
         self.weight = weight_model(cfg.weight_model, cfg.block_size)
         self.estimator = (
-            OutputLengthEstimator(cfg.predictive_quantile, cfg.predictive_min_samples, cfg.predictive_window)
+            OutputLengthEstimator(cfg.predictive_margin, cfg.predictive_min_samples, cfg.predictive_window)
             if cfg.mode == "predictive"
             else None
         )
@@ -83,6 +84,9 @@ class Batcher:
         self._seq = 0
         self._committed = 0  # sum of reserved final weights (token model)
         self._typical = 0  # moving average of admitted requests' reserved weight
+        self._var: dict[str, float] = {}  # predictive mode: variance of each running request's remaining length
+        self._var_sum = 0.0
+        self._admit_budget = self.budget  # the budget less the predictive margin, for this step's admissions
         self._profile: TokenProfile | PaddedProfile = self.weight.profile([])
         self._entries: dict[str, Entry] = {}  # each running request's entry, as the profile has it or will
         self._changes: list[tuple[Entry, int]] | None = []  # for the profile to add (1) or remove (-1); None: rebuild
@@ -215,6 +219,9 @@ class Batcher:
 
     def _release(self, req: Request) -> None:
         self._committed -= self.weight.seq(req.reserved_total)
+        self._var_sum -= self._var.pop(req.id, 0.0)
+        if not self._var:
+            self._var_sum = 0.0  # no float drift survives an empty batch
         self._prefilling.pop(req.id, None)
         self._set_entry(req.id, None)
         self._running_changed()
@@ -226,10 +233,32 @@ class Batcher:
         self._stale = True
         self._idle = False
 
+    def _estimated(self, req: Request) -> bool:
+        """Does this request reserve an estimate (rather than its max_new_tokens)?"""
+        return not (self.estimator is None or req.runs_to_max or req.preemptions >= self.config.max_preemptions)
+
     def _reserve(self, req: Request) -> int:
-        if self.estimator is None or req.runs_to_max or req.preemptions >= self.config.max_preemptions:
+        if not self._estimated(req):
             return req.max_new_tokens
-        return self.estimator.reserve(req.max_new_tokens, req.generated)
+        return self.estimator.reserve(req.max_new_tokens, req.generated)  # type: ignore[union-attr]
+
+    def _variance(self, req: Request) -> float:
+        if not self._estimated(req) or req.reserved_new >= req.max_new_tokens:
+            return 0.0
+        return self.estimator.variance(req.max_new_tokens, req.generated)  # type: ignore[union-attr]
+
+    def _set_variance(self, req: Request) -> None:
+        v = self._variance(req)
+        self._var_sum += v - self._var.get(req.id, 0.0)
+        self._var[req.id] = v
+
+    def _margin(self, extra_var: float = 0.0) -> int:
+        """Predictive mode: weight held back from admission, `margin` standard deviations of the running
+        set's remaining output (plus `extra_var`), so that outgrown reservations seldom force a preemption."""
+        est = self.estimator
+        if est is None:
+            return 0
+        return int(est.margin * math.sqrt(max(0.0, self._var_sum + extra_var)))
 
     def _running_work(self, plan: StepPlan) -> list[int]:
         """Decode every decoding request; give continuing prompt chunks the prefill cap first (FIFO)."""
@@ -314,11 +343,11 @@ class Batcher:
     def _naive_fits(self, final: int, fixed_len: int = 0) -> bool:
         """The fast path: does the sum of every final weight, the candidate's included, fit?"""
         if self.weight.name == "token":
-            return self._committed + self.weight.seq(final) <= self.budget
+            return self._committed + self.weight.seq(final) <= self._admit_budget
         running = self.running.values()
         fixed = max((r.fixed_len for r in running), default=0)
         rest = max((r.reserved_total - r.fixed_len for r in running), default=0)
-        return (len(running) + 1) * (max(fixed, fixed_len) + max(rest, final - fixed_len)) <= self.budget
+        return (len(running) + 1) * (max(fixed, fixed_len) + max(rest, final - fixed_len)) <= self._admit_budget
 
     def fits(self, req: Request, chunk: int | None = None, ahead: int = 0) -> bool:
         """Could `req` (reservation set) be admitted now without the weight ever exceeding the budget?"""
@@ -326,7 +355,7 @@ class Batcher:
             self.stats.admitted_fast += 1
             return True
         entry = self._entry(req, req.prefill_left if chunk is None else chunk, ahead)
-        if self._get_profile().admits(entry, self.budget):
+        if self._get_profile().admits(entry, self._admit_budget):
             self.stats.admitted_projected += 1
             return True
         self.stats.rejected_projected += 1
@@ -360,6 +389,8 @@ class Batcher:
                     first_blocked, first_idx = cand, idx
                 continue
             cand.reserved_new = self._reserve(cand)
+            if self.estimator is not None:
+                self._admit_budget = self.budget - self._margin(self._variance(cand))
             ctx, res, fix = cand.context_len, cand.reserved_new, cand.fixed_len
             # A candidate at least as long in context, reservation and fixed part (and in the rest) as
             # one refused in this pass is refused too (it weighs at least as much at every step).
@@ -404,6 +435,8 @@ class Batcher:
         w = self.weight.seq(req.reserved_total)
         self._committed += w
         self._typical = w if not self._typical else (7 * self._typical + w) // 8
+        if self.estimator is not None:
+            self._set_variance(req)
         self._prefilling[req.id] = req
         self._running_changed()
         self.stats.admitted += 1
@@ -430,6 +463,7 @@ class Batcher:
                 old = self.weight.seq(req.reserved_total)
                 req.reserved_new = self._reserve(req)
                 self._committed += self.weight.seq(req.reserved_total) - old
+                self._set_variance(req)
                 self._set_entry(req.id, self._decoding_entry(req))
                 self._running_changed()
         preempted: list[Request] = []

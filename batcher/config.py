@@ -29,10 +29,11 @@ class BatcherConfig:
     max_wait_s: once the first blocked request has waited this long, nothing jumps past it.
     jump_scan: at most this many waiting requests are examined past the first blocked one per step,
         which bounds the cost of a step when thousands wait.
-    mode: "worst_case" reserves max_new_tokens (never preempts); "predictive" reserves an estimated
-        output length and preempts the newest requests when a reservation must grow and cannot.
-    predictive_quantile: the share of requests whose reservation should hold without growing; the
-        batcher raises it after a preemption and lets it ease back while nothing is preempted.
+    mode: "worst_case" reserves max_new_tokens (never preempts); "predictive" reserves each request's
+        expected output length and preempts the newest requests when a reservation must grow and cannot.
+    predictive_margin: predictive mode's safety margin, in standard deviations of the running set's
+        total remaining output, held back from admission; the batcher widens it after preemptions
+        past its allowance and lets it ease back as requests finish.
     max_preemptions: a request preempted this many times is readmitted with its worst case reserved
         and is not preempted again while others can be.
     """
@@ -48,7 +49,7 @@ class BatcherConfig:
     max_wait_s: float = 30.0
     jump_scan: int = 256
     mode: Mode = "worst_case"
-    predictive_quantile: float = 0.88
+    predictive_margin: float = 0.5
     predictive_min_samples: int = 32
     predictive_window: int = 4096
     max_preemptions: int = 2
@@ -70,8 +71,8 @@ class BatcherConfig:
             cfg = replace(cfg, chunked_prefill=False)  # a padded batch prefills whole prompts
         if cfg.max_preemptions < 0:
             raise ConfigError(f"max_preemptions must be >= 0 (got {cfg.max_preemptions})")
-        if not 0.0 < cfg.predictive_quantile <= 1.0:
-            raise ConfigError(f"predictive_quantile must be in (0, 1] (got {cfg.predictive_quantile})")
+        if not 0.0 <= cfg.predictive_margin <= 10.0:
+            raise ConfigError(f"predictive_margin must be in [0, 10] standard deviations (got {cfg.predictive_margin})")
         one = _round_up(cfg.max_total_tokens, cfg.block_size if cfg.weight_model == "token" else 1)
         if cfg.max_batch_weight is None:
             if cfg.max_batch_size <= 0:

@@ -22,7 +22,7 @@ class EngineConfig:
         place, and the model's forward with dynamic token counts); compiled and warmed up at
         start-up (logged). "auto" turns it on where it was measured to win (CPU, paged runner), unless
         TORCH_COMPILE_DISABLE=1.
-    mode / predictive_quantile / max_preemptions: the batcher's admission mode and its predictive
+    mode / predictive_margin / max_preemptions: the batcher's admission mode and its predictive
         settings (batcher/config.py). "auto" is predictive on the paged runner (measured to win under
         memory pressure: bench.peer --suite pressure) and worst_case on the padded one (it cannot
         preempt).
@@ -47,7 +47,7 @@ class EngineConfig:
     cpu_kv_bytes: int = 512 * 2**20
     gpu_memory_fraction: float = 0.85
     mode: Literal["auto", "worst_case", "predictive"] = "auto"
-    predictive_quantile: float = 0.88
+    predictive_margin: float = 0.5
     max_preemptions: int = 2
     jump_window_s: float = 1.0
     max_wait_s: float = 30.0

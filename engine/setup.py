@@ -119,7 +119,7 @@ def build(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
                 jump_window_s=cfg.jump_window_s,
                 max_wait_s=cfg.max_wait_s,
                 mode="predictive" if cfg.mode == "auto" else cfg.mode,
-                predictive_quantile=cfg.predictive_quantile,
+                predictive_margin=cfg.predictive_margin,
                 max_preemptions=cfg.max_preemptions,
             )
         )

@@ -1,5 +1,7 @@
 """Hand-worked admission cases: the numbers here can be checked with pencil and paper."""
 
+import math
+
 import pytest
 
 from batcher import Batcher, BatcherConfig, ConfigError, Entry, Request, RequestRejected, TokenProfile
@@ -272,21 +274,39 @@ def test_a_request_that_cannot_stop_early_reserves_its_max_and_teaches_nothing()
 
 def test_preemptions_are_capped_per_request_and_tighten_the_margin():
     b = _taught(200, max_preemptions=1)
-    base = b.estimator.quantile
+    base = b.estimator.margin
     reqs = [Request(f"r{i}", 20, 80, arrival_s=10.0) for i in range(4)]
     run = drive(b, reqs)  # all run far past the 10-token estimate: the budget forces preemptions
     assert set(run.finished) == {r.id for r in reqs}
     assert b.stats.preemptions > 0
     assert max(r.preemptions for r in reqs) == 1  # a capped request is readmitted at its worst case, never again
-    assert b.estimator.quantile > base  # outgrown reservations raised the margin
+    assert b.estimator.margin > base  # outgrown reservations widened the margin
 
 
-def test_the_margin_eases_back_as_requests_finish():
-    from batcher.estimator import OutputLengthEstimator
+def test_the_batch_margin_holds_back_standard_deviations_of_the_running_sets_remaining_output():
+    def taught(margin: float) -> Batcher:
+        cfg = BatcherConfig(
+            max_batch_weight=2000, max_total_tokens=200, mode="predictive", predictive_min_samples=4,
+            predictive_margin=margin, jump_window_s=1e9,
+        )  # fmt: skip
+        b = Batcher(cfg)
+        warm = [Request(f"w{i}", 5, 100) for i in range(8)]
+        drive(b, warm, {r.id: n for r, n in zip(warm, (4, 8, 12, 16, 20, 40, 60, 80), strict=True)})
+        b.estimator.refresh([])
+        return b
 
-    est = OutputLengthEstimator(quantile=0.8)
-    est.tighten()
-    assert est.quantile == pytest.approx(0.9)
-    for _ in range(200):
-        est.relax()
-    assert est.quantile == pytest.approx(0.8)
+    admitted = {}
+    for margin in (0.0, 3.0):
+        b = taught(margin)
+        for i in range(80):
+            b.submit(Request(f"r{i}", 10, 100, arrival_s=10.0))
+        plan = b.schedule(10.0)
+        mean, var = b.estimator.moments(100)
+        assert all(r.reserved_new == math.ceil(mean) for r in plan.admitted)
+        assert b._var_sum == pytest.approx(len(plan.admitted) * var)
+        # what was admitted fits the budget less the margin; one more would not have
+        held = b._margin() if margin else 0
+        assert len(plan.admitted) * (10 + math.ceil(mean)) <= 2000 - held
+        assert (len(plan.admitted) + 1) * (10 + math.ceil(mean)) > 2000 - b._margin(var)
+        admitted[margin] = len(plan.admitted)
+    assert admitted[3.0] < admitted[0.0]

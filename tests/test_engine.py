@@ -93,7 +93,7 @@ def test_greedy_matches_generate_under_a_tight_budget(tiny_loaded, reference_mod
 
 def test_predictive_mode_with_preemption_gives_the_same_greedy_outputs(tiny_loaded, reference_model, workload):
     reqs, reference = workload
-    engine = tight_engine(tiny_loaded, mode="predictive", predictive_quantile=0.5)
+    engine = tight_engine(tiny_loaded, mode="predictive", predictive_margin=0.0)
     # The estimator learns from finished requests: the second pass runs on its estimates.
     first = engine.generate(reqs)
     second = engine.generate(
