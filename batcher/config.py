@@ -49,7 +49,7 @@ class BatcherConfig:
     max_wait_s: float = 30.0
     jump_scan: int = 256
     mode: Mode = "worst_case"
-    predictive_margin: float = 0.5
+    predictive_margin: float = 0.75
     predictive_min_samples: int = 32
     predictive_window: int = 4096
     max_preemptions: int = 2

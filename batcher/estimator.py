@@ -31,7 +31,7 @@ class OutputLengthEstimator:
     RELAX = 0.02
     MAX_MARGIN = 4.0
 
-    def __init__(self, margin: float = 0.5, min_samples: int = 32, window: int = 4096) -> None:
+    def __init__(self, margin: float = 0.75, min_samples: int = 32, window: int = 4096) -> None:
         self.margin = margin
         self.base_margin = margin
         self.min_samples = min_samples

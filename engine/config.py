@@ -47,7 +47,7 @@ class EngineConfig:
     cpu_kv_bytes: int = 512 * 2**20
     gpu_memory_fraction: float = 0.85
     mode: Literal["auto", "worst_case", "predictive"] = "auto"
-    predictive_margin: float = 0.5
+    predictive_margin: float = 0.75
     max_preemptions: int = 2
     jump_window_s: float = 1.0
     max_wait_s: float = 30.0
