@@ -1,8 +1,8 @@
 # One image for every service of docker-compose.yml (worker, gateway, flower); the command picks the role.
-# GPU workers: build with --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu124 and EXTRAS=cuda.
+# GPU workers: build with --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu124 and EXTRAS=flower,cuda.
 FROM python:3.11-slim
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
-ARG EXTRAS=dev
+ARG EXTRAS=flower
 WORKDIR /srv/weightq
 COPY pyproject.toml README.md ./
 COPY app app

@@ -7,7 +7,7 @@ import ssl
 from celery import Celery
 
 from .settings import Settings
-from .worker import ConsumerLink, EngineStep
+from .worker.boot import ConsumerLink, EngineStep
 
 
 def tls_options(s: Settings, url: str) -> dict:

@@ -1,30 +1,32 @@
-"""The one settings object: every knob from environment variables, with documented defaults."""
+"""The one settings object: every knob from environment variables (or a `.env` file in the working
+directory), typed and validated by pydantic-settings, with documented defaults."""
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings, DotEnvSettingsSource, EnvSettingsSource, SettingsConfigDict
 
 from engine import EngineConfig
 
-
-def _env_name(field_name: str) -> str:
-    return "REDIS_URL" if field_name == "redis_url" else "MODEL" if field_name == "model" else field_name.upper()
+ENV_FILE = ".env"
 
 
-def _parse_bool(raw: str) -> bool:
-    if raw.lower() in ("1", "true", "yes", "on"):
-        return True
-    if raw.lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(raw)
+def env_name(field_name: str) -> str:
+    """The environment variable of a setting: its name upper-cased (REDIS_URL, MAX_BATCH_WEIGHT, ...)."""
+    return field_name.upper()
 
 
-@dataclass(frozen=True, slots=True)
-class Settings:
+class Settings(BaseSettings):
     """Read with `Settings.from_env()`; each field's environment variable is its name upper-cased
-    (REDIS_URL, MODEL, MAX_BATCH_WEIGHT, ...). Unset REDIS_URL means the embedded Redis."""
+    (REDIS_URL, MODEL, MAX_BATCH_WEIGHT, ...), an empty one counts as unset, and the process
+    environment wins over `.env`. `Settings(...)` takes only what it is given. Unset REDIS_URL means
+    the embedded Redis."""
+
+    model_config = SettingsConfigDict(frozen=True, extra="ignore", env_ignore_empty=True, case_sensitive=False)
 
     redis_url: str = ""  # empty: the embedded Redis (its URL is recorded under WEIGHTQ_HOME)
     model: str = "builtin:tiny"
@@ -37,9 +39,13 @@ class Settings:
     max_total_tokens: int = 0  # 0: the model's context limit
     kv_cache_mb: int = 512  # CPU KV budget when max_batch_weight is derived from memory
     gpu_memory_fraction: float = 0.85
-    batcher_mode: str = "auto"  # predictive on the paged runner, worst_case on the padded one; or either
-    runner: str = "auto"  # paged | padded | auto (padded for T5/BART and models without the attention interface)
-    compile: str = "auto"  # torch.compile the paged runner: auto (on for CPU) | on | off
+    batcher_mode: Literal["auto", "worst_case", "predictive"] = (
+        "auto"  # predictive on the paged runner, worst_case on the padded one; or either
+    )
+    runner: Literal["auto", "paged", "padded"] = (
+        "auto"  # paged | padded | auto (padded for T5/BART and models without the attention interface)
+    )
+    compile: Literal["auto", "on", "off"] = "auto"  # torch.compile the paged runner (auto: on for CPU)
     torch_threads: int = 0  # the engine's intra-op threads; 0: torch's default (one per core)
     concurrency: int = 128  # task threads per worker: the most requests one worker holds at once
     task_events: bool = True  # Flower's per-task view; off saves ~a third of the consumer's work per job
@@ -53,12 +59,16 @@ class Settings:
     shutdown_grace_s: float = 30.0  # warm shutdown: finish running generations this long, then requeue
     max_attempts: int = 3  # a job started this many times without finishing is dead-lettered
     redis_retry_s: float = 60.0  # a worker waits this long for Redis to come back before failing a job
-    recover_interval_s: float = 10.0  # how often a worker looks for jobs whose message was lost
+    recover_interval_s: float = 5.0  # how often a worker looks for jobs whose message was lost
     lost_job_grace_s: float = 30.0  # ... among jobs queued at least this long
     lost_job_scan_limit: int = 50_000  # ... when the queue is no longer than this
     weightq_home: str = str(Path.home() / ".cache" / "weightq")
-    redis_appendfsync: str = "always"  # the embedded Redis: "always" (durable) or "everysec" (faster)
-    redis_ssl_cert_reqs: str = "required"  # rediss:// URLs: required | optional | none
+    redis_appendfsync: Literal["always", "everysec"] = (
+        "always"  # the embedded Redis: "always" (durable) or "everysec" (faster)
+    )
+    redis_ssl_cert_reqs: Literal["required", "optional", "none"] = (
+        "required"  # rediss:// URLs: required | optional | none
+    )
     redis_ssl_ca_certs: str = ""  # rediss:// URLs: CA bundle (default: the system's)
     metrics_port: int = 0  # a worker's own Prometheus endpoint (0: off; the gateway's /metrics covers all)
     metrics_host: str = "127.0.0.1"
@@ -74,19 +84,29 @@ class Settings:
     request_timeout_s: float = 600.0  # a job with no stream entry for this long is cancelled (504)
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> Settings:
-        env = os.environ if env is None else env
-        values = {}
-        for f in fields(cls):
-            raw = env.get(_env_name(f.name))
-            if raw is None or raw == "":
-                continue
-            kind = type(f.default)
-            try:
-                values[f.name] = _parse_bool(raw) if kind is bool else kind(raw)
-            except ValueError as e:
-                raise ValueError(f"{_env_name(f.name)}={raw!r}: expected {kind.__name__}") from e
-        return cls(**values)
+    def settings_customise_sources(
+        cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
+    ):
+        return (init_settings,)  # the environment is read by from_env() alone, so Settings(...) is exact
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, env_file: str | Path | None = ENV_FILE) -> Settings:
+        """The settings of the environment (`env`, default os.environ) over those of `env_file` (if it
+        exists); a bad value raises ValueError naming the variable, the value and what was expected."""
+        values: dict[str, Any] = {}
+        if env_file is not None and Path(env_file).is_file():
+            values |= DotEnvSettingsSource(cls, env_file=env_file, env_ignore_empty=True)()
+        source = EnvSettingsSource(cls, case_sensitive=False, env_ignore_empty=True)
+        if env is not None:
+            source.env_vars = {k.lower(): v for k, v in env.items() if v != ""}
+        values |= source()
+        try:
+            return cls(**values)
+        except ValidationError as e:
+            problems = [
+                f"{env_name(str(err['loc'][0]))}={values.get(str(err['loc'][0]))!r}: {err['msg']}" for err in e.errors()
+            ]
+            raise ValueError("; ".join(problems)) from None
 
     @property
     def home(self) -> Path:

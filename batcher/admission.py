@@ -389,8 +389,8 @@ class Batcher:
                     first_blocked, first_idx = cand, idx
                 continue
             cand.reserved_new = self._reserve(cand)
-            if self.estimator is not None:
-                self._admit_budget = self.budget - self._margin(self._variance(cand))
+            if self.estimator is not None:  # alone, a request always fits: its worst case does (check)
+                self._admit_budget = self.budget - (self._margin(self._variance(cand)) if self.running else 0)
             ctx, res, fix = cand.context_len, cand.reserved_new, cand.fixed_len
             # A candidate at least as long in context, reservation and fixed part (and in the rest) as
             # one refused in this pass is refused too (it weighs at least as much at every step).

@@ -6,7 +6,7 @@ A GPU is lent for minutes, by chance, so one prepared run must say everything an
 minutes on one H200 (model builds and warm-ups included); --out is rewritten after every phase, so a
 run cut off keeps what it measured. Phases, in order:
 
-- cuda_tests: `pytest tests/test_cuda.py` in a subprocess (counts from its JUnit XML).
+- cuda_tests: `pytest tests/engine/test_cuda.py` in a subprocess (counts from its JUnit XML).
 - greedy: per-request `model.generate()` against our engine on every path the engine offers there:
   each `EngineConfig.attention` choice (read at run time; "flash" only where flash-attn imports) on
   the paged runner, and the padded runner. float32 on a mid-size random Llama: batched and unbatched
@@ -16,10 +16,10 @@ run cut off keeps what it measured. Phases, in order:
   saved with the built-in tokenizer and loaded by path; our engine against static padded batches of
   `generate()` (bench.engine.run_static16) and transformers' continuous batching (bench.engine.run_hf_cb:
   no CUDA graphs; also with transformers' defaults, graphs included, when time is left); greedy
-  outputs of a few requests against `generate()` with the bf16 tie rule of tests/test_cuda.py.
+  outputs of a few requests against `generate()` with the bf16 tie rule of tests/engine/test_cuda.py.
 
 --dry-run runs the same code on CPU with a tiny shape and a few requests, skipping what needs CUDA
-(tests/test_device_check.py runs it). Random Llama weights use initializer_range 0.1 (engine/builtin.py):
+(tests/unit/test_device_check.py runs it). Random Llama weights use initializer_range 0.1 (engine/builtin.py):
 at 0.02 greedy output collapses to a few repeated tokens and equality would mean nothing.
 """
 
@@ -102,7 +102,7 @@ def cuda_tests(timeout_s: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
         pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-        cmd = [*pytest, f"--junitxml={xml}", "tests/test_cuda.py"]
+        cmd = [*pytest, f"--junitxml={xml}", "tests/engine/test_cuda.py"]
         try:
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="also write the JSON here, rewritten after every phase")
     ap.add_argument("--budget-s", type=float, default=None, help="time for everything (default 420 on a GPU, 300 dry)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--skip-tests", action="store_true", help="leave out the pytest run of tests/test_cuda.py")
+    ap.add_argument("--skip-tests", action="store_true", help="leave out the pytest run of tests/engine/test_cuda.py")
     args = ap.parse_args(argv)
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)

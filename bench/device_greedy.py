@@ -32,7 +32,7 @@ def compile_modes() -> list[str]:
 
 # ----- greedy equality ---------------------------------------------------------------------------------
 def mixed_requests(n: int, max_prompt: int, max_new: int, seed: int) -> list[GenerationRequest]:
-    """tests/test_engine.py's mix (1- and 2-token prompts, full-length ones, 1 new token, the most) with
+    """tests/engine/test_engine.py's mix (1- and 2-token prompts, full-length ones, 1 new token, the most) with
     EOS ignored, so every output has its exact length on both sides."""
     rng = random.Random(seed)
     out = []

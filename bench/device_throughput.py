@@ -16,7 +16,7 @@ from bench.device_report import Report, Sizes, say
 from bench.engine import NEAR_TIE, hf_cb_config, no_eos, requests
 from engine import Engine, EngineConfig
 
-BF16_TIE = 5e-2  # tests/test_cuda.py: bf16 logits are noisy; a divergence below this gap is a tie
+BF16_TIE = 5e-2  # tests/engine/test_cuda.py: bf16 logits are noisy; a divergence below this gap is a tie
 
 
 # ----- throughput ----------------------------------------------------------------------------------------

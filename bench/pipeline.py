@@ -23,13 +23,13 @@ from pathlib import Path
 
 import redis
 
+from app.cli.processes import WorkerProcess
+from app.cli.redis_server import EmbeddedRedis
 from app.client import Client
-from app.redis_server import EmbeddedRedis
 from app.settings import Settings
-from app.streams import stream_key
 from batcher.sim.simulator import percentile
 from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from tests.service import WorkerProcess
+from tasks.contract import EntryType, decode_fields, is_end, stream_key
 
 BUDGET = 65536
 TICK = os.sysconf("SC_CLK_TCK")
@@ -81,10 +81,10 @@ def follow(url: str, ids: list[str], latencies: list[float], done: threading.Eve
             key = key.decode()
             for entry_id, fields in entries:
                 last[key] = entry_id
-                kind = fields[b"type"]
-                if kind == b"token":
-                    latencies.append(now - float(fields[b"ts"]))
-                elif kind in (b"end", b"error"):
+                fields = decode_fields(fields)
+                if fields["type"] == EntryType.TOKEN:
+                    latencies.append(now - float(fields["ts"]))
+                elif is_end(fields):
                     del last[key]
                     break
     done.set()

@@ -25,14 +25,14 @@ from pathlib import Path
 import httpx
 import redis
 
+from app.cli.processes import GatewayProcess, WorkerProcess
+from app.cli.redis_server import EmbeddedRedis
 from app.client import Client
-from app.redis_server import EmbeddedRedis
 from app.settings import Settings
-from app.streams import job_key, stream_key
-from tests.service import GatewayProcess, WorkerProcess
+from tasks.contract import SINGLETONS as CONTRACT_KEYS
+from tasks.contract import is_end, job_key, stream_key
 
-SINGLETONS = {"weightq:workers", "weightq:queued", "weightq:started_hw", "weightq:dead", "weightq", "unacked",
-              "unacked_index"}  # fmt: skip
+SINGLETONS = {*CONTRACT_KEYS, "weightq", "unacked", "unacked_index"}  # kombu's own, and the queue
 WORKER = {
     "max_batch_weight": 16384,
     "concurrency": 256,
@@ -178,7 +178,7 @@ class Soak:
                "duplicated": 0}  # fmt: skip
         for j in ids:
             h = self.r.hgetall(job_key(j))
-            ends = [f for _, f in self.r.xrange(stream_key(j)) if f["type"] in ("end", "error")]
+            ends = [f for _, f in self.r.xrange(stream_key(j)) if is_end(f)]
             if len(ends) > 1:
                 out["duplicated"] += 1
             if h.get("state") == "cancelled" or (h.get("result") and '"finish_reason": "cancelled"' in h["result"]):

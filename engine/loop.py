@@ -131,6 +131,11 @@ class Engine:
         """The prompt text of a chat: the tokenizer's chat template with the assistant's turn opened."""
         return render_chat(self.tokenizer, self.config.model, messages)
 
+    def idle(self) -> bool:
+        """Nothing running, waiting or submitted."""
+        b = self.batcher
+        return not b.running and not b.waiting and not self._inbox
+
     def stats(self) -> dict:
         b = self.batcher
         return {
@@ -341,7 +346,7 @@ class Engine:
         """The packed forward failed: run each sequence's work alone, fail the ones that still fail
         (their blocks go back to the pool) and return the others' logits in the packed order, so one
         bad request never takes the batch down. Rerunning rewrites the same KV slots with the same values."""
-        if not getattr(self.runner, "can_isolate", True):  # the padded runner: one batch, one fate
+        if not self.runner.can_isolate:  # the padded runner: one batch, one fate
             log.warning("forward over %d sequences failed (%r)", len(prefill) + len(decode), error)
             for work in prefill + decode:
                 self._finish(work.seq, "error", f"the model failed on this step: {error!r}")

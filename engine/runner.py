@@ -33,7 +33,35 @@ class Work:
     emits: bool
 
 
+class Runner(Protocol):
+    """What the engine loop needs of a runner (the paged ModelRunner here, the PaddedRunner in
+    padded.py; a third, e.g. a simulated device, implements the same)."""
+
+    compiled: bool  # its shapes are compiled: the engine warms them up before serving
+    can_isolate: bool  # a failed step can be retried request by request (False: one batch, one fate)
+    model_s: float  # seconds spent inside the model's forward so far
+
+    def ensure(self, seq: HasTokens, tokens: int) -> None:
+        """Make room for `tokens` tokens of `seq` (the batcher guarantees the memory suffices)."""
+
+    def release(self, seq: HasTokens) -> None:
+        """Free what `seq` holds."""
+
+    def forward(self, prefill: list[Work], decode: list[Work]) -> torch.Tensor:
+        """One step: the logits of every emitting work item, prefill first, in order."""
+        ...
+
+    def memory(self) -> dict:
+        """Memory counters for stats()."""
+        ...
+
+    def check(self, seqs: list, budget: int) -> None:
+        """Assert the runner's own accounting agrees with the batcher's (tests and debugging)."""
+
+
 class ModelRunner:
+    can_isolate = True  # each request's rows are its own: a failed step is retried one by one
+
     def __init__(
         self,
         model: torch.nn.Module,

@@ -18,7 +18,7 @@ from .flash import available as flash_available
 from .kv_cache import KVCache, derive_capacity
 from .models import LoadedModel, choose_runner, load_model, resolve_device
 from .padded import PaddedRunner, measure_padded
-from .runner import ModelRunner
+from .runner import ModelRunner, Runner
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,7 +53,7 @@ def on_fresh_thread(fn: Callable[[], T]) -> T:
 class EngineParts:
     backend: str
     lm: LoadedModel
-    runner: ModelRunner | PaddedRunner
+    runner: Runner  # ModelRunner (paged) or PaddedRunner
     batcher: Batcher
     kv_derivation: str
     max_input_length: int

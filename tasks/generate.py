@@ -1,29 +1,52 @@
 """The `weightq.generate` task: a JSON request in, a JSON result out.
 
-Any app that shares the Redis URL can call it by name (`send_task("weightq.generate", [request])`).
-The task body hands the request to the engine hosted by the worker (see app/worker.py) and waits.
+Any app that shares the Redis URL can call it by name (`send_task(TASK_NAME, [request])`, see contract.py).
+The task body hands the request to the engine hosted by the worker (see app/worker/) and waits.
 """
 
 from __future__ import annotations
 
-from celery import shared_task
+import logging
 
+from celery import shared_task
+from celery.exceptions import Reject
+
+from .contract import TASK_NAME
 from .schema import RequestError, parse_request
+
+log = logging.getLogger(__name__)
 
 
 class NoEngine(RuntimeError):
     """The task ran in a process that hosts no engine."""
 
 
-@shared_task(name="weightq.generate", bind=True)
+class RequestRefused(ValueError):
+    """The engine refused the request (the message names the field): the client's error, not the worker's."""
+
+
+# Expected exceptions: Celery marks the task failed but logs one line, not an error with a traceback.
+@shared_task(name=TASK_NAME, bind=True, throws=(RequestError, RequestRefused))
 def generate(self, request: dict) -> dict:
     host = getattr(self.app, "weightq_host", None)
     if host is None:
         raise NoEngine("this worker hosts no weightq engine: start it with `weightq worker` (threads pool)")
+    job_id = self.request.id
     try:
         spec = parse_request(request)
     except RequestError as e:
-        host.fail(self.request.id, e)
+        log.warning("job %s refused: %s", job_id, e)
+        host.fail(job_id, e)
         raise
     tag = (self.request.delivery_info or {}).get("delivery_tag")
-    return host.run(self.request.id, spec, tag)
+    try:
+        return host.run(job_id, spec, tag)
+    except Reject:
+        raise  # back to the queue (warm shutdown)
+    except RequestRefused as e:
+        log.warning("job %s refused: %s", job_id, e)
+        raise
+    except Exception as e:
+        # Celery acks a failed task: end the job (once) so that no reader waits on it forever
+        host.fail_job(job_id, f"{type(e).__name__}: {e}")
+        raise

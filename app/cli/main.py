@@ -9,7 +9,8 @@ import sys
 from batcher import BatcherConfig, ConfigError
 from batcher.sim import POLICIES, StepCost, load_trace, sharegpt_like, simulate_policies
 
-from .batch import batch_parser
+from .batch_cmd import batch_parser
+from .redis_server import ensure_redis
 from .stack import stack_parsers
 
 TABLE_COLUMNS = (
@@ -174,37 +175,14 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_worker)
 
 
-def ensure_redis(settings) -> str:
-    """REDIS_URL if set; else the embedded Redis (started now unless one already answers)."""
-    import redis
-
-    from .redis_server import EmbeddedRedis
-
-    if settings.redis_url:
-        return settings.redis_url
-    url_file = settings.home / "redis" / "url"
-    if url_file.exists():
-        url = url_file.read_text().strip()
-        try:
-            redis.Redis.from_url(url, socket_timeout=1).ping()
-            return url
-        except redis.RedisError:
-            pass
-    server = EmbeddedRedis(settings.home / "redis", appendfsync=settings.redis_appendfsync)
-    url = server.start()
-    url_file.write_text(url)
-    print(f"weightq: started the embedded Redis at {url} (data in {server.data_dir}); set REDIS_URL to use another")
-    return url
-
-
 def cmd_worker(args: argparse.Namespace) -> int:
     import os
 
-    from .settings import Settings
+    from app.settings import Settings
 
     settings = Settings.from_env()
     os.environ["REDIS_URL"] = ensure_redis(settings)
-    from .celery import app
+    from app.celery import app
 
     argv = [
         "worker",
@@ -250,8 +228,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from .gateway import create_app
-    from .settings import Settings
+    from app.gateway import create_app
+    from app.settings import Settings
 
     settings = Settings.from_env()
     host = args.host or settings.gateway_host
@@ -265,6 +243,9 @@ def cmd_gateway(args: argparse.Namespace) -> int:
             f"weightq gateway: refusing to serve {host} without an API key: set API_KEY (clients send "
             "`Authorization: Bearer <key>`), bind 127.0.0.1, or pass --allow-insecure"
         )
+    from .stack import refuse_taken_ports
+
+    refuse_taken_ports("weightq gateway", host, {"gateway": port})  # before anything else, not at bind time
     url = ensure_redis(settings)
     app = create_app(settings, url)
     server = uvicorn.Server(

@@ -95,3 +95,24 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def ensure_redis(settings) -> str:
+    """REDIS_URL if set; else the embedded Redis (started now unless one already answers)."""
+    import redis
+
+    if settings.redis_url:
+        return settings.redis_url
+    url_file = settings.home / "redis" / "url"
+    if url_file.exists():
+        url = url_file.read_text().strip()
+        try:
+            redis.Redis.from_url(url, socket_timeout=1).ping()
+            return url
+        except redis.RedisError:
+            pass
+    server = EmbeddedRedis(settings.home / "redis", appendfsync=settings.redis_appendfsync)
+    url = server.start()
+    url_file.write_text(url)
+    print(f"weightq: started the embedded Redis at {url} (data in {server.data_dir}); set REDIS_URL to use another")
+    return url

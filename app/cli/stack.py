@@ -8,21 +8,26 @@ generations finish or go back to the queue), then the Redis it started.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 import redis
 
-from .metrics import HEARTBEATS, live_workers
+from app.metrics import live_workers
+from app.settings import Settings
+from tasks.contract import HEARTBEATS
+
 from .redis_server import EmbeddedRedis
-from .settings import Settings
 
 
 @dataclass
@@ -74,7 +79,7 @@ class Stack:
             stdout=log or None,
             stderr=subprocess.STDOUT if log else None,
             start_new_session=True,
-            cwd=Path(__file__).resolve().parents[1],
+            cwd=Path(__file__).resolve().parents[2],
         )
         self.children.append(Child(name, proc, log))
 
@@ -132,8 +137,17 @@ class Stack:
             self.redis_server = None
 
     def serve(self) -> int:
-        """Until Ctrl-C (0) or a child dies (1)."""
+        """Start, then run until Ctrl-C, SIGTERM or SIGHUP (0) or a child dies (1); everything stops."""
         try:
+            with stop_on_signals():
+                return self._serve()
+        finally:
+            with signals_ignored():  # a second signal must not cut the shutdown short and leak children
+                self.stop()
+
+    def _serve(self) -> int:
+        try:
+            self.start()
             self.wait_ready()
             print(f"weightq: ready. HTTP {self.base} (OpenAI: {self.base}/v1, TGI: {self.base}/generate)", flush=True)
             if self.flower_port is not None:
@@ -148,8 +162,57 @@ class Stack:
         except (RuntimeError, TimeoutError) as e:
             print(f"weightq: {e}", file=sys.stderr, flush=True)
             return 1
-        finally:
-            self.stop()
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP (systemd, container runtimes, `timeout`, a closed terminal) stop the stack as
+    Ctrl-C does: as a KeyboardInterrupt in the main thread."""
+
+    def interrupt(signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    old = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def signals_ignored() -> Iterator[None]:
+    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, *STOP_SIGNALS)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def port_taken(host: str, port: int) -> bool:
+    """Would binding host:port fail? (Checked before anything starts, so a second `weightq up` never
+    says ready on the strength of the first one's gateway.)"""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def refuse_taken_ports(command: str, host: str, ports: dict[str, int]) -> None:
+    for what, port in ports.items():
+        if port and port_taken(host, port):
+            raise SystemExit(
+                f"{command}: {host}:{port} ({what}) is already in use, by another weightq up or gateway? "
+                "Stop it, or choose another port"
+            )
 
 
 def stream_chat(base: str, prompt: str, max_tokens: int, headers: dict | None = None) -> dict:
@@ -204,61 +267,76 @@ def stack_parsers(sub: argparse._SubParsersAction) -> None:
     d.set_defaults(func=cmd_demo)
 
 
+def require_flower() -> None:
+    """Flower is an extra (`weightq[flower]`): name it rather than fail in a child process."""
+    import importlib.util
+
+    if importlib.util.find_spec("flower") is None:
+        raise SystemExit("weightq up --flower: Flower is not installed; install it with: pip install 'weightq[flower]'")
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
+    if args.flower:
+        require_flower()
     stack = Stack(
         settings,
         host=args.host or settings.gateway_host,
         port=settings.gateway_port if args.port is None else args.port,
         flower_port=args.flower_port if args.flower else None,
     )
-    stack.start()
+    refuse_taken_ports("weightq up", stack.host, {"gateway": stack.port, "Flower": stack.flower_port or 0})
     return stack.serve()
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .batch import format_summary, run_batch
-    from .client import Client
+    from app.client import Client
+    from app.client.batch import run_batch
+
+    from .batch_cmd import format_summary
     from .redis_server import free_port
 
     settings = Settings.from_env()
-    batch = Path(args.batch) if args.batch else Path(__file__).resolve().parents[1] / "examples" / "prompts.jsonl"
+    batch = Path(args.batch) if args.batch else Path(__file__).resolve().parents[2] / "examples" / "prompts.jsonl"
     home = settings.home / "demo"
     (home / "logs").mkdir(parents=True, exist_ok=True)
     stack = Stack(settings, port=free_port(), log_dir=home / "logs", worker_name="demo@%h")
     headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else None
     print(f"weightq demo: starting Redis, a worker on {settings.model} and the gateway (logs in {home / 'logs'})")
-    try:
-        stack.start()
-        stats = stack.wait_ready()
-        print(
-            f"ready: worker {stats['hostname']} ({stats['model']}, {stats['attention']} attention, "
-            f"max_batch_weight {stats['max_batch_weight']} tokens); gateway {stack.base}\n"
-        )
-        print("== one chat completion, streamed through the gateway's OpenAI API ==")
-        usage = stream_chat(stack.base, "Explain how the batcher admits requests.", 64, headers)
-        print(f"[{usage.get('prompt_tokens')} prompt + {usage.get('completion_tokens')} completion tokens]\n")
-        print(f"== a batch file: {batch} ==")
-        out = home / "results.jsonl"
-        out.unlink(missing_ok=True)
-        summary, interrupted = run_batch(batch, out, Client(stack.url, settings=settings))
-        print(format_summary(summary))
-        print(f"results: {out}\n")
-        time.sleep(1.2)  # the next heartbeat carries the final counters
-        s = stack.worker_stats()
-        print(
-            f"engine: {s.get('steps')} steps, {s.get('prefill_tokens')} prompt + {s.get('decode_tokens')} generated "
-            f"tokens, {s.get('finished')} requests finished, forward passes {s.get('forward_s')} s of "
-            f"{s.get('step_s')} s stepping; KV blocks in use now {s.get('kv_blocks_used')}/{s.get('kv_blocks_total')}"
-        )
-        if interrupted:
+    with stop_on_signals():
+        try:
+            stack.start()
+            stats = stack.wait_ready()
+            print(
+                f"ready: worker {stats['hostname']} ({stats['model']}, {stats['attention']} attention, "
+                f"max_batch_weight {stats['max_batch_weight']} tokens); gateway {stack.base}\n"
+            )
+            print("== one chat completion, streamed through the gateway's OpenAI API ==")
+            usage = stream_chat(stack.base, "Explain how the batcher admits requests.", 64, headers)
+            print(f"[{usage.get('prompt_tokens')} prompt + {usage.get('completion_tokens')} completion tokens]\n")
+            print(f"== a batch file: {batch} ==")
+            out = home / "results.jsonl"
+            out.unlink(missing_ok=True)
+            summary, interrupted = run_batch(batch, out, Client(stack.url, settings=settings))
+            print(format_summary(summary))
+            print(f"results: {out}\n")
+            time.sleep(1.2)  # the next heartbeat carries the final counters
+            s = stack.worker_stats()
+            print(
+                f"engine: {s.get('steps')} steps, {s.get('prefill_tokens')} prompt + "
+                f"{s.get('decode_tokens')} generated tokens, {s.get('finished')} requests finished, forward "
+                f"passes {s.get('forward_s')} s of {s.get('step_s')} s stepping; KV blocks in use now "
+                f"{s.get('kv_blocks_used')}/{s.get('kv_blocks_total')}"
+            )
+            if interrupted:
+                return 130
+            return 0 if summary["failed"] == 0 else 1
+        except KeyboardInterrupt:
             return 130
-        return 0 if summary["failed"] == 0 else 1
-    except KeyboardInterrupt:
-        return 130
-    except (RuntimeError, TimeoutError) as e:
-        print(f"weightq demo: {e}", file=sys.stderr)
-        return 1
-    finally:
-        print("weightq demo: stopping", flush=True)
-        stack.stop()
+        except (RuntimeError, TimeoutError) as e:
+            print(f"weightq demo: {e}", file=sys.stderr)
+            return 1
+        finally:
+            print("weightq demo: stopping", flush=True)
+            with signals_ignored():
+                stack.stop()

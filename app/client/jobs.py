@@ -20,21 +20,26 @@ from dataclasses import dataclass, field
 
 import redis
 
+from app.settings import Settings
+from tasks.contract import (
+    CANCEL,
+    CANCEL_CHANNEL,
+    END_TYPES,
+    QUEUED,
+    TASK_NAME,
+    EntryType,
+    JobFailed,
+    JobState,
+    Replay,
+    cancelled_result,
+    decode_fields,
+    job_key,
+    outcome,
+    stream_key,
+)
 from tasks.schema import parse_request
 
-from .settings import Settings
-from .streams import CANCEL, CANCEL_CHANNEL, QUEUED, cancelled_result, job_key, stream_key
-
-TASK_NAME = "weightq.generate"
-END_TYPES = ("end", "error")
-
-
-class JobFailed(RuntimeError):
-    """The job ended with an error (the message names the field when the request was bad)."""
-
-    def __init__(self, message: str, field: str = "") -> None:
-        super().__init__(message)
-        self.field = field
+__all__ = ["Client", "Job", "JobFailed", "StreamEvent", "submit"]
 
 
 @dataclass(slots=True)
@@ -51,9 +56,7 @@ class StreamEvent:
 
 
 def _decode(entry_id, raw: dict) -> StreamEvent:
-    data = {
-        k.decode() if isinstance(k, bytes) else k: v.decode() if isinstance(v, bytes) else v for k, v in raw.items()
-    }
+    data = decode_fields(raw)
     eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     return StreamEvent(data.get("type", ""), eid, data)
 
@@ -91,25 +94,20 @@ class Job:
     def stream(self, timeout: float | None = None) -> Iterator[str]:
         """Text deltas of the job. If a worker died and the job restarted, tokens already delivered
         are not repeated (greedy and seeded runs regenerate the same tokens)."""
-        delivered = 0
+        replay = Replay()
         for ev in self.events(timeout):
-            if ev.type == "token":
-                i = int(ev.data["i"])
-                if i >= delivered:
-                    delivered = i + 1
-                    if ev.text:
-                        yield ev.text
-            elif ev.type == "error":
-                raise JobFailed(ev.data.get("message", "error"), ev.data.get("field", ""))
+            if ev.type == EntryType.TOKEN:
+                if replay.fresh(ev.data) and ev.text:
+                    yield ev.text
+            else:
+                outcome(ev.data)  # raises JobFailed on an error entry
 
     def result(self, timeout: float | None = None) -> dict:
         """The final JSON result (from the stream's end entry, so it needs no result backend)."""
         for ev in self.events(timeout):
-            if ev.type == "end":
-                return json.loads(ev.data["result"])
-            if ev.type == "error":
-                raise JobFailed(ev.data.get("message", "error"), ev.data.get("field", ""))
-        raise RuntimeError("unreachable")
+            if (result := outcome(ev.data)) is not None:
+                return result
+        raise RuntimeError("unreachable: events() ends at an end or error entry")
 
     def cancel(self) -> str:
         """Cancel: a queued job ends at once; a running one is stopped by its worker within a step.
@@ -129,7 +127,7 @@ class Job:
             self.id,
         )
         state = state.decode() if isinstance(state, bytes) else state
-        if state in ("queued", "running"):
+        if state in (JobState.QUEUED, JobState.RUNNING):
             self.client.app.control.revoke(self.id)
         return state
 
@@ -163,7 +161,7 @@ class Client:
         if self._app is None:
             from celery import Celery
 
-            from .celery import celery_config
+            from app.celery import celery_config
 
             self._app = Celery("weightq-client")
             self._app.config_from_object(
@@ -192,7 +190,7 @@ class Client:
         # The request is kept with the job so that a worker can re-send a job whose message a Redis
         # crash lost (see WorkerHost.recover_lost_jobs); a known id keeps its state and request.
         pipe = self.redis.pipeline(transaction=True)
-        pipe.hsetnx(key, "state", "queued")
+        pipe.hsetnx(key, "state", JobState.QUEUED)
         pipe.hsetnx(key, "request", json.dumps(request))
         pipe.hsetnx(key, "queued_at", repr(now))
         pipe.expire(key, self.settings.result_ttl_s)

@@ -1,18 +1,11 @@
-"""The HTTP gateway: OpenAI- and TGI-compatible routes in front of the Celery queue.
-
-    weightq gateway            # or: uvicorn --factory app.gateway:create_app
-
-Every generation request becomes a `weightq.generate` job; streaming responses follow the job's
-Redis stream (all of them over one connection, see hub.py). A client that disconnects cancels its
-job. Bad input is a 4xx whose JSON names the field; the gateway holds no model and no GPU, so any
-number of gateways can front the same Redis.
-"""
+"""The gateway's job side, shared by its OpenAI and TGI routes: submit a job, follow its stream (all
+streams over one connection, see hub.py), collect its result, answer with an SSE stream, and cancel
+the job of a client that went away."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import re
@@ -21,21 +14,18 @@ from typing import Any, TypeVar
 
 import redis
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from kombu.exceptions import OperationalError
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from fastapi.responses import StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from tasks.schema import ID_PATTERN, RequestError
+from app.client import Client
+from app.metrics import WorkerCollector, live_workers
+from app.settings import Settings
+from tasks.contract import DEAD, HEARTBEATS, EntryType, Replay, is_end, job_key, outcome
+from tasks.schema import ID_PATTERN
 
-from . import openai_api, tgi_api
-from .client import Client
-from .guard import Guard, error_response
-from .http_errors import HTTPError, JobError
+from .errors import HTTPError
 from .hub import StreamHub
-from .limits import ClientLimits
-from .metrics import HEARTBEATS, WorkerCollector, live_workers
-from .settings import Settings
-from .streams import DEAD, job_key
+from .limits import ClientLimits, ServingLimits
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -53,6 +43,7 @@ class Gateway:
         self.model = settings.served_model_name or settings.model
         self.version = VERSION
         self.shutting_down = False
+        self.serving = ServingLimits(self.workers)
         self.keys = [k.strip().encode() for k in settings.api_key.split(",") if k.strip()]
         self.limits = ClientLimits(settings.max_concurrent_per_client, settings.rate_limit_per_s, settings.rate_burst)
         self.hub: StreamHub | None = None
@@ -91,22 +82,6 @@ class Gateway:
         except redis.RedisError:
             return {}
 
-    def check_key(self, authorization: str) -> str | None:
-        """The caller's key (None when the gateway has none); every key is compared in constant time."""
-        if not self.keys:
-            return None
-        scheme, _, token = authorization.partition(" ")
-        given = token.strip().encode()
-        matched = None
-        for key in self.keys:  # no early exit: the time taken says nothing about which key was close
-            if hmac.compare_digest(given, key) and scheme.lower() == "bearer":
-                matched = key.decode()
-        if matched is None:
-            raise HTTPError(
-                401, "missing or wrong API key (send Authorization: Bearer <key>)", None, "authentication_error"
-            )
-        return matched
-
     async def body(self, request: Request) -> Any:
         limit = self.settings.max_body_bytes
         declared = request.headers.get("content-length")
@@ -144,7 +119,7 @@ class Gateway:
     async def events(self, job_id: str, last_id: str = "0-0") -> AsyncIterator[tuple[str, dict]]:
         """Stream entries, with a restarted job's repeated tokens dropped and a timeout when idle."""
         assert self.hub is not None
-        delivered = 0
+        replay = Replay()
         it = self.hub.follow(job_id, last_id).__aiter__()
         try:
             while True:
@@ -155,13 +130,8 @@ class Gateway:
                 except TimeoutError:
                     raise HTTPError(504, f"job {job_id}: nothing for {self.settings.request_timeout_s} s", None,
                                     "timeout") from None  # fmt: skip
-                kind = fields.get("type")
-                if kind == "token":
-                    i = int(fields.get("i", 0))
-                    if i < delivered:
-                        continue  # a redelivered job regenerates what was already sent
-                    delivered = i + 1
-                yield entry_id, fields
+                if replay.fresh(fields):  # a redelivered job regenerates what was already sent
+                    yield entry_id, fields
         finally:
             await it.aclose()
 
@@ -170,10 +140,8 @@ class Gateway:
 
         async def collect() -> dict:
             async for _, fields in self.events(job_id):
-                if fields.get("type") == "end":
-                    return json.loads(fields["result"])
-                if fields.get("type") == "error":
-                    raise JobError(fields)
+                if (result := outcome(fields)) is not None:  # raises JobFailed on an error entry
+                    return result
             raise HTTPError(500, f"job {job_id}: stream ended without a result", None, "internal_error")
 
         return await self.wait(request, job_id, collect())
@@ -215,15 +183,15 @@ class Gateway:
         events = self.events(job_id, last_id)
         try:
             entry_id, fields = await anext(events)
-            while fields.get("type") == "attempt":
+            while fields.get("type") == EntryType.ATTEMPT:
                 entry_id, fields = await anext(events)
         except BaseException:
             await events.aclose()
             self.cancel_soon(job_id)
             raise
-        if fields.get("type") == "error" and last_id == "0-0":
+        if fields.get("type") == EntryType.ERROR and last_id == "0-0":
             await events.aclose()
-            raise JobError(fields)
+            outcome(fields)  # raises JobFailed: a refused request answers 4xx, not a stream
 
         async def body() -> AsyncIterator[str]:
             finished = False
@@ -234,7 +202,7 @@ class Gateway:
                     eid, f = current
                     for line in chunks(f"{job_id}/{eid}", f):
                         yield line
-                    if f.get("type") in ("end", "error"):
+                    if is_end(f):
                         finished = True
                         return
                     current = await anext(events)
@@ -250,90 +218,3 @@ class Gateway:
 def sse(data: dict | str, event_id: str | None = None) -> str:
     payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     return (f"id: {event_id}\n" if event_id else "") + f"data: {payload}\n\n"
-
-
-def create_app(settings: Settings | None = None, url: str | None = None) -> FastAPI:
-    gw = Gateway(settings or Settings.from_env(), url)
-    app = FastAPI(title="weightq gateway", version=VERSION, lifespan=gw.lifespan)
-    app.state.gateway = gw
-    app.add_middleware(Guard, gateway=gw)
-
-    @app.exception_handler(HTTPError)
-    async def on_http_error(request: Request, e: HTTPError) -> Response:
-        return error_response(request.url.path, e)
-
-    @app.exception_handler(RequestError)
-    async def on_request_error(request: Request, e: RequestError) -> Response:
-        return error_response(request.url.path, HTTPError(400, str(e), e.field))
-
-    @app.exception_handler(JobError)
-    async def on_job_error(request: Request, e: JobError) -> Response:
-        return error_response(request.url.path, HTTPError(e.status, str(e), e.field))
-
-    @app.exception_handler(redis.RedisError)
-    @app.exception_handler(OperationalError)
-    async def on_broker_down(request: Request, e: Exception) -> Response:
-        log.warning("queue unavailable: %s", e)
-        return error_response(request.url.path, HTTPError(503, f"queue unavailable: {e}", None, "unavailable"))
-
-    openai_api_routes(app, gw)
-    tgi_api.routes(app, gw, sse)
-
-    @app.get("/health")
-    def health() -> Response:
-        try:
-            gw.client.redis.ping()
-        except redis.RedisError as e:
-            return JSONResponse({"status": "redis unreachable", "error": str(e)}, status_code=503)
-        n = len(gw.workers())
-        return JSONResponse({"status": "ok" if n else "no workers", "workers": n}, status_code=200 if n else 503)
-
-    @app.get("/metrics")
-    def metrics() -> Response:
-        return Response(generate_latest(gw.registry), media_type=CONTENT_TYPE_LATEST)
-
-    return app
-
-
-def openai_api_routes(app: FastAPI, gw: Gateway) -> None:
-    @app.get("/v1/models")
-    def models() -> dict:
-        return {
-            "object": "list",
-            "data": [{"id": gw.model, "object": "model", "created": 0, "owned_by": "weightq"}],
-        }
-
-    async def completions(request: Request, chat: bool) -> Response:
-        body = await gw.body(request)
-        job = openai_api.chat_job(body, gw.model) if chat else openai_api.completion_job(body, gw.model)
-        job_id, last_id = await gw.start(request, job, bool(body.get("stream")))
-        if not body.get("stream"):
-            result = await gw.result(request, job_id)
-            return JSONResponse(openai_api.completion_response(job_id, gw.model, result, chat=chat))
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        writer = openai_api.ChunkWriter(job_id, gw.model, chat=chat, resumed=last_id != "0-0")
-
-        def chunks(entry_id: str, f: dict) -> list[str]:
-            kind = f.get("type")
-            if kind == "token":
-                return [sse(writer.delta(f.get("text", "")), entry_id)] if f.get("text") else []
-            if kind == "end":
-                result = json.loads(f["result"])
-                out = [sse(writer.finish(result), entry_id)]
-                if include_usage:
-                    out.append(sse(writer.usage(result)))
-                return [*out, sse("[DONE]")]
-            if kind == "error":
-                err = {"error": {"message": f.get("message", "error"), "type": "server_error", "param": f.get("field")}}
-                return [sse(err, entry_id), sse("[DONE]")]
-            return []
-
-        return await gw.stream(job_id, chunks, last_id)
-
-    @app.post("/v1/completions")
-    async def completion(request: Request) -> Response:
-        return await completions(request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completion(request: Request) -> Response:
-        return await completions(request, chat=True)

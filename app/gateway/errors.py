@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fastapi.responses import JSONResponse
+
 
 class HTTPError(Exception):
     def __init__(
@@ -17,13 +19,18 @@ class HTTPError(Exception):
         self.retry_after = retry_after
 
 
-class JobError(Exception):
-    """The worker refused or failed the job (its stream's error entry): a 400 when a field is named."""
+def error_type(status: int) -> str:
+    return {400: "validation", 413: "validation", 422: "validation", 429: "overloaded", 503: "overloaded"}.get(
+        status, "generation"
+    )
 
-    def __init__(self, fields: dict[str, str]) -> None:
-        super().__init__(fields.get("message", "error"))
-        self.field = fields.get("field") or None
 
-    @property
-    def status(self) -> int:
-        return 400 if self.field else 500
+def error_response(route: str, e: HTTPError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
+    if e.retry_after:
+        headers["Retry-After"] = e.retry_after
+    if route.startswith("/v1/"):
+        body: dict = {"error": {"message": e.message, "type": e.kind, "param": e.field, "code": None}}
+    else:  # TGI's shape: {"error", "error_type"}
+        body = {"error": e.message, "error_type": error_type(e.status), "field": e.field}
+    return JSONResponse(body, status_code=e.status, headers=headers)

@@ -15,10 +15,9 @@ from collections.abc import AsyncIterator
 
 import redis.asyncio as aredis
 
-from .streams import stream_key
+from tasks.contract import is_end, stream_key
 
 log = logging.getLogger(__name__)
-END_TYPES = (b"end", b"error")
 
 
 class StreamHub:
@@ -59,7 +58,7 @@ class StreamHub:
                     raise item
                 entry_id, fields = item
                 yield entry_id, fields
-                if fields.get("type") in ("end", "error"):
+                if is_end(fields):
                     return
         finally:
             self._followers.pop(key, None)
@@ -88,6 +87,6 @@ class StreamHub:
                     last = raw_id.decode()
                     fields = {k.decode(): v.decode(errors="replace") for k, v in raw.items()}
                     queue.put_nowait((last, fields))
-                    if raw.get(b"type") in END_TYPES:
+                    if is_end(fields):
                         break
                 self._followers[key] = (last, queue)

@@ -1,14 +1,17 @@
-"""Per-client limits at the gateway: concurrent requests and a request rate (token bucket).
-
-A client is its API key (or its address when the gateway has no keys). Exceeding either limit is
-a 429 with Retry-After; the request never reaches the queue.
+"""Limits at the gateway. Per client: concurrent requests and a request rate (token bucket); a
+client is its API key (or its address when the gateway has no keys), and exceeding either limit is a
+429 with Retry-After. Serving: what every worker would refuse (ServingLimits) is a 400 here. Either
+way the request never reaches the queue.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from .errors import HTTPError
 
 
 @dataclass
@@ -55,3 +58,31 @@ class ClientLimits:
 
 def retry_after(seconds: float) -> str:
     return str(max(1, math.ceil(seconds)))
+
+
+class ServingLimits:
+    """The workers' limits, from their heartbeats (refreshed every 2 s)."""
+
+    def __init__(self, workers: Callable[[], dict[str, dict]]) -> None:
+        self._workers = workers
+        self._limit, self._at = 0, float("-inf")
+
+    def max_total_tokens(self) -> int:
+        """The smallest prompt + output limit among live workers; 0 when none is known."""
+        now = time.monotonic()
+        if now - self._at > 2.0:
+            limits = [w.get("max_total_tokens") for w in self._workers().values()]
+            self._limit = min((n for n in limits if isinstance(n, int) and n > 0), default=0)
+            self._at = now
+        return self._limit
+
+    def check(self, job: dict, field: str) -> None:
+        """Refuse what every worker would refuse without a tokenizer: more output tokens than the
+        serving limit leaves room for (a prompt has at least one token). `field` is the client's name."""
+        limit = self.max_total_tokens()
+        n = job.get("max_new_tokens")
+        if limit and isinstance(n, int) and not isinstance(n, bool) and n > limit - 1:
+            raise HTTPError(
+                400, f"{field}: {n} leaves no room for a prompt within max_total_tokens {limit} (at most {limit - 1})",
+                field,
+            )  # fmt: skip

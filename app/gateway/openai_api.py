@@ -22,6 +22,9 @@ CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_lo
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
 
 
+CLIENT_FIELDS = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"}  # job field -> what a client sent
+
+
 def _refuse_unless(body: dict, name: str, allowed: tuple) -> None:
     if name in body and body[name] not in allowed:
         raise RequestError(name, f"not supported by weightq (allowed: {', '.join(map(repr, allowed))})")

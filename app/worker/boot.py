@@ -14,12 +14,12 @@ from celery import bootsteps
 from celery.exceptions import ImproperlyConfigured
 from prometheus_client import CollectorRegistry, start_http_server
 
+from app.metrics import EngineMetrics, WorkerCollector
+from app.settings import Settings
 from engine import Engine
 
 from .host import WorkerHost
-from .metrics import EngineMetrics, WorkerCollector
-from .settings import Settings
-from .streams import StreamPublisher
+from .publisher import StreamPublisher
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class EngineStep(bootsteps.StartStopStep):
         )
         publisher.metrics = EngineMetrics()
         engine = Engine(settings.engine_config(), sink=publisher)
-        self.host = host = WorkerHost(settings, engine, client, worker.hostname)
+        self.host = host = WorkerHost(settings, engine, publisher, client, worker.hostname)
         worker.app.weightq_host = host
         host.app = worker.app
         engine.start()
@@ -76,7 +76,7 @@ class EngineStep(bootsteps.StartStopStep):
     def stop(self, worker) -> None:
         if self.host is not None:
             self.host.shutdown()
-            self.host.engine.sink.close()
+            self.host.publisher.close()
 
     def info(self, worker) -> dict:
         return {"weightq": self.host.stats()} if self.host is not None else {}

@@ -10,9 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from app.batch import BatchRun, done_ids, run_batch
+from app.client.batch import BatchRun, done_ids, run_batch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write_requests(path: Path, n: int, max_new_tokens: int = 8) -> None:

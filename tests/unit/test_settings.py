@@ -23,10 +23,27 @@ def test_from_env_types_and_defaults():
 
 
 def test_bad_values_name_the_variable():
-    with pytest.raises(ValueError, match="MAX_BATCH_WEIGHT='lots': expected int"):
+    with pytest.raises(ValueError, match="MAX_BATCH_WEIGHT='lots': Input should be a valid integer"):
         Settings.from_env({"MAX_BATCH_WEIGHT": "lots"})
-    with pytest.raises(ValueError, match="TASK_EVENTS='maybe': expected bool"):
+    with pytest.raises(ValueError, match="TASK_EVENTS='maybe': Input should be a valid boolean"):
         Settings.from_env({"TASK_EVENTS": "maybe"})
+    with pytest.raises(ValueError, match="BATCHER_MODE='fast': Input should be 'auto', 'worst_case' or 'predictive'"):
+        Settings.from_env({"BATCHER_MODE": "fast"})
+
+
+def test_a_dotenv_file_fills_in_what_the_environment_leaves_unset(tmp_path):
+    env_file = tmp_path / ".env"
+    env_file.write_text("MAX_BATCH_WEIGHT=2048\nCONCURRENCY=7\n# a comment\nQUEUE=from-file\n")
+    s = Settings.from_env({"QUEUE": "from-env", "CONCURRENCY": ""}, env_file=env_file)
+    assert s.max_batch_weight == 2048 and s.concurrency == 7  # an empty variable counts as unset
+    assert s.queue == "from-env"  # the environment wins over the file
+    assert Settings.from_env({}, env_file=tmp_path / "missing.env").max_batch_weight == 0
+
+
+def test_settings_built_in_code_take_only_what_they_are_given(monkeypatch):
+    monkeypatch.setenv("MAX_BATCH_WEIGHT", "999")
+    assert Settings(queue="q").max_batch_weight == 0
+    assert Settings.from_env().max_batch_weight == 999
 
 
 def test_celery_config_is_json_only_late_ack_and_short_visibility():

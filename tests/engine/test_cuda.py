@@ -10,7 +10,7 @@ import torch
 
 from engine import Engine, EngineConfig
 from engine.flash import available as flash_available
-from tests.test_engine import assert_greedy_equal, mixed_requests
+from tests.reference import assert_greedy_equal, mixed_requests
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none on this machine")
 flash = pytest.mark.skipif(not flash_available(), reason="needs CUDA and the flash-attn package (weightq[cuda])")
@@ -69,7 +69,7 @@ def test_flash_is_chosen_automatically_on_cuda():
 def test_padded_runner_on_cuda_matches_generate_and_measures_its_budget():
     """builtin:tiny-t5 on the padded runner on a GPU: greedy equality with per-request generate(),
     and a budget derived from the free CUDA memory with the warm-up's measured peak."""
-    from tests.test_padded import assert_matches, reference, requests
+    from tests.reference import assert_matches, reference, requests
 
     engine = Engine(EngineConfig(model="builtin:tiny-t5", device="cuda", dtype="float32", check_invariants=True))
     assert engine.lm.runner == "padded" and "peak" in engine.kv_derivation

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from batcher import Batcher, BatcherConfig, Entry, Request, weight_model
 from batcher.projection import ceil_to
-from tests.conftest import drive
+from tests.drive import drive
 
 # WEIGHTQ_EXAMPLES=5000 for a thorough run; CI keeps the default.
 SETTINGS = settings(

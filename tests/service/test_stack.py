@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import redis
 
-from app.redis_server import free_port
+from app.cli.redis_server import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def clean_env(home: Path) -> dict:
@@ -86,3 +86,61 @@ def test_up_serves_until_ctrl_c_then_stops_everything(tmp_path):
             raise AssertionError("something still answers after Ctrl-C")
         except (httpx.TransportError, redis.ConnectionError):
             pass
+
+
+def _processes_with_env(needle: str) -> list[int]:
+    """Pids whose environment holds `needle` (the stack's children carry its REDIS_URL)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                if needle.encode() in (proc / "environ").read_bytes():
+                    found.append(int(proc.name))
+            except OSError:
+                pass
+    return found
+
+
+def _start_up(tmp_path, port: int) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "up", "--port", str(port)], cwd=ROOT, env=clean_env(tmp_path),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    for line in proc.stdout:
+        if "weightq: ready" in line:
+            return proc
+    raise AssertionError(f"weightq up exited ({proc.wait()}) before it was ready")
+
+
+def test_sigterm_and_sighup_stop_everything_as_ctrl_c_does(tmp_path):
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        port = free_port()
+        proc = _start_up(tmp_path / sig.name, port)
+        url = (tmp_path / sig.name / "redis" / "url").read_text().strip()
+        assert _processes_with_env(f"REDIS_URL={url}"), "no children found to watch"
+        proc.send_signal(sig)  # as systemd, a container runtime, `timeout` or a closed terminal would
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and "stopping" in out, out
+        assert _processes_with_env(f"REDIS_URL={url}") == [], f"children left running after {sig.name}"
+        try:
+            redis.Redis.from_url(url, socket_timeout=1).ping()
+            raise AssertionError(f"the embedded Redis outlived {sig.name}")
+        except redis.ConnectionError:
+            pass
+
+
+def test_up_and_gateway_refuse_a_port_in_use_before_saying_ready(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for cmd in (["up", "--port", str(port)], ["gateway", "--port", str(port)]):
+            proc = subprocess.run(
+                [sys.executable, "-m", "app.cli", *cmd], cwd=ROOT, env=clean_env(tmp_path), capture_output=True,
+                text=True, timeout=120,
+            )  # fmt: skip
+            assert proc.returncode != 0, proc.stdout
+            assert "ready" not in proc.stdout and f"127.0.0.1:{port} (gateway) is already in use" in proc.stderr
+            assert not (tmp_path / "redis" / "url").exists(), "it started the embedded Redis first"

@@ -66,3 +66,15 @@ def test_generate_streams_text(capsys):
     assert main(["generate", "Hello", "--max-new-tokens", "5", "--device", "cpu", "--max-batch-weight", "4096"]) == 0
     out = capsys.readouterr().out
     assert ">>> Hello" in out and ("[length: 5 tokens" in out or "[eos" in out)
+
+
+def test_up_with_flower_names_the_extra_when_flower_is_missing(monkeypatch):
+    import importlib.util
+
+    from app.cli.stack import require_flower
+
+    require_flower()  # installed here (the dev extra)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flower" else real(name, *a))
+    with pytest.raises(SystemExit, match=r"pip install 'weightq\[flower\]'"):
+        require_flower()

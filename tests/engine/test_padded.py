@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import random
 import time
 
 import pytest
@@ -21,7 +20,7 @@ from transformers import (
 from batcher import ConfigError
 from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from engine.builtin import shape_t5
-from tests.test_engine import NEAR_TIE
+from tests.reference import assert_matches, reference, requests
 
 
 def _t5(v: int, ids: dict):
@@ -60,42 +59,6 @@ def model_dir(request, tmp_path_factory, tiny_path):
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
-
-
-def requests(n: int, seed: int = 0) -> list[GenerationRequest]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        plen = rng.choice([1, 3, rng.randint(4, 40), rng.randint(40, 120)])
-        new = rng.choice([1, rng.randint(2, 30), rng.randint(30, 90)])
-        ids = [rng.randrange(10, 1100) for _ in range(plen)]
-        out.append(GenerationRequest(f"r{i}", prompt_token_ids=ids, params=SamplingParams(max_new_tokens=new)))
-    return out
-
-
-def reference(model, req: GenerationRequest) -> list[int]:
-    ids = torch.tensor([req.prompt_token_ids], device=model.device)
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=req.params.max_new_tokens, do_sample=False)
-    return out[0, 1 if model.config.is_encoder_decoder else ids.shape[1] :].tolist()
-
-
-def assert_matches(model, req, got: list[int], want: list[int], tie: float = NEAR_TIE) -> None:
-    """Token-for-token equality, except at a near-tie of the reference (batching noise)."""
-    if got == want:
-        return
-    k = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
-    seq2seq, dev = model.config.is_encoder_decoder, model.device
-    with torch.no_grad():
-        if seq2seq:
-            start = model.generation_config.decoder_start_token_id
-            dec = torch.tensor([[start, *want[:k]]], device=dev)
-            prompt = torch.tensor([req.prompt_token_ids], device=dev)
-            logits = model(input_ids=prompt, decoder_input_ids=dec).logits[0, -1]
-        else:
-            logits = model(torch.tensor([req.prompt_token_ids + want[:k]], device=dev)).logits[0, -1]
-    top = logits.topk(2).values
-    assert float(top[0] - top[1]) < tie, f"{req.id}: diverged at token {k}: {got[k : k + 5]} vs {want[k : k + 5]}"
 
 
 def padded_engine(model_dir, **kw) -> Engine:
@@ -202,7 +165,7 @@ def test_a_seq2seq_worker_streams_cancels_and_serves_the_gateway(service, tmp_pa
     """The same task, cancellation, stats and HTTP front door on top of the padded runner."""
     import httpx
 
-    from tests.service import GatewayProcess
+    from app.cli.processes import GatewayProcess
 
     w = service.worker(model="builtin:tiny-t5").wait_ready()
     gateway = GatewayProcess(service.url, tmp_path).wait_ready()

@@ -18,9 +18,9 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app import openai_api, tgi_api
+from app.cli.processes import GatewayProcess, WorkerProcess
+from app.gateway import openai_api, tgi_api
 from tasks.schema import FIELDS, RequestError, parse_request
-from tests.service import GatewayProcess, WorkerProcess
 
 EXAMPLES = int(os.environ.get("WEIGHTQ_EXAMPLES", "150"))
 scalars = st.one_of(

@@ -1,4 +1,5 @@
-"""Real service parts for tests: a Redis server and Celery worker processes on this machine."""
+"""One worker or gateway as a child process, waited on until it serves: what the test suites and the
+benchmarks start (`weightq up` supervises a whole stack: stack.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from pathlib import Path
 
 import redis
 
-ROOT = Path(__file__).resolve().parents[1]
+from tasks.contract import HEARTBEATS
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class WorkerProcess:
@@ -36,7 +39,7 @@ class WorkerProcess:
 
     def wait_ready(self, timeout: float = 120) -> WorkerProcess:
         deadline = time.monotonic() + timeout
-        while not self.redis.hexists("weightq:workers", self.name):
+        while not self.redis.hexists(HEARTBEATS, self.name):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"worker {self.name} exited {self.proc.returncode}:\n{self.log()[-3000:]}")
             if time.monotonic() > deadline:
@@ -47,7 +50,7 @@ class WorkerProcess:
     def stats(self) -> dict:
         import json
 
-        raw = self.redis.hget("weightq:workers", self.name)
+        raw = self.redis.hget(HEARTBEATS, self.name)
         return json.loads(raw) if raw else {}
 
     def log(self) -> str:
@@ -58,7 +61,7 @@ class WorkerProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
         with contextlib.suppress(redis.RedisError):
-            self.redis.hdel("weightq:workers", self.name)
+            self.redis.hdel(HEARTBEATS, self.name)
 
     def stop(self, timeout: float = 60) -> int:
         """Warm shutdown (SIGTERM); a worker that hangs is killed and the test fails."""
@@ -76,7 +79,7 @@ class GatewayProcess:
     """`weightq gateway` in a subprocess on a free port, ready once it answers /health."""
 
     def __init__(self, url: str, home: Path, **settings: object) -> None:
-        from app.redis_server import free_port
+        from app.cli.redis_server import free_port
 
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"

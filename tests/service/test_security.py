@@ -12,10 +12,10 @@ import pytest
 import redis
 
 from app.celery import celery_config
+from app.cli.processes import ROOT, GatewayProcess, WorkerProcess
+from app.cli.redis_server import EmbeddedRedis
 from app.client import Client
-from app.redis_server import EmbeddedRedis
 from app.settings import Settings
-from tests.service import ROOT, GatewayProcess, WorkerProcess
 
 
 def test_a_password_protected_redis_works_end_to_end(tmp_path):
@@ -46,7 +46,7 @@ def test_rediss_urls_get_certificate_checking_for_broker_and_backend():
     assert cfg["broker_use_ssl"] == want and cfg["redis_backend_use_ssl"] == want
     assert "broker_transport" not in cfg  # kombu's own transport handles TLS
     with pytest.raises(ValueError, match="REDIS_SSL_CERT_REQS"):
-        celery_config(Settings(redis_url="rediss://h/0", redis_ssl_cert_reqs="maybe"))
+        celery_config(Settings.from_env({"REDIS_URL": "rediss://h/0", "REDIS_SSL_CERT_REQS": "maybe"}))
     assert "broker_use_ssl" not in celery_config(Settings(redis_url="redis://h/0"))
 
 

@@ -16,8 +16,8 @@ import redis
 import text_generation
 from text_generation.errors import ValidationError
 
-from app.streams import job_key
-from tests.service import GatewayProcess, WorkerProcess
+from app.cli.processes import GatewayProcess, WorkerProcess
+from tasks.contract import job_key
 
 KEY = "test-key-123"
 
@@ -42,6 +42,10 @@ def stack(redis_url, tmp_path_factory):
         def stats() -> dict:
             time.sleep(1.2)  # the next heartbeat
             return worker.stats()
+
+        @staticmethod
+        def worker_log() -> str:
+            return worker.log()
 
     yield Stack
     gateway.stop()
@@ -93,8 +97,8 @@ def test_models_health_and_auth(stack):
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"prompt": "hi", "max_tokens": -1}, "max_new_tokens"),
-        ({"prompt": "hi", "max_tokens": 100_000}, "max_new_tokens"),  # over max_total_tokens: the worker says so
+        ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),  # named as the client sent it
+        ({"prompt": "hi", "max_tokens": 100_000}, "max_tokens"),  # over max_total_tokens
         ({"prompt": "hi", "n": 2}, "n"),
         ({"prompt": "hi", "temperature": -1}, "temperature"),
         ({"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
@@ -195,7 +199,10 @@ def test_a_client_resumes_its_stream_on_a_restarted_gateway(stack, redis_url, tm
     body = {"prompt": "The scheduler admits", "max_tokens": 400, "ignore_eos": True, "stream": True, "temperature": 0}
     seen, last_id, job_id = "", None, None
     with httpx.stream("POST", first.base + "/v1/completions", json=body, headers=stack.headers, timeout=30) as r:
-        for line in r.iter_lines():
+        # Held: a loop over a temporary generator closes the connection at `break`, which is a client
+        # going away (its job is cancelled, rightly) racing the restart this test is about.
+        lines = r.iter_lines()
+        for line in lines:
             if line.startswith("id: "):
                 last_id = line[4:]
             elif line.startswith("data: {"):
@@ -248,10 +255,33 @@ def test_per_key_limits_answer_429_with_retry_after(stack, redis_url, tmp_path):
                 s.__exit__(None, None, None)
     finally:
         limited.stop()
-    rated = GatewayProcess(redis_url, tmp_path, rate_limit_per_s=0.5, rate_burst=2).wait_ready()  # no keys: by address
+    # one request back per 100 s: the third of three is refused however slowly a loaded machine sends them
+    rated = GatewayProcess(redis_url, tmp_path, rate_limit_per_s=0.01, rate_burst=2).wait_ready()  # by address
     try:
         codes = [httpx.post(rated.base + "/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code
                  for _ in range(3)]  # fmt: skip
         assert codes == [200, 200, 429]
     finally:
         rated.stop()
+
+
+def test_over_long_requests_are_a_400_naming_the_field_the_client_sent(stack):
+    limit = stack.stats()["max_total_tokens"]
+    post = lambda path, body: httpx.post(stack.base + path, json=body, headers=stack.headers, timeout=60)  # noqa: E731
+    # what the gateway can check without a tokenizer is refused there, before any job exists
+    r = post("/v1/completions", {"prompt": "hi", "max_tokens": limit})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert f"max_total_tokens {limit}" in r.json()["error"]["message"]
+    r = post("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": limit}})
+    assert r.status_code == 400 and r.json()["field"] == "parameters.max_new_tokens", r.text
+    # a prompt that leaves too little room is refused by the worker: still a 400 naming max_tokens,
+    # and one warning line in the worker's log, not an error with a traceback
+    tracebacks = stack.worker_log().count("Traceback")
+    prompt = [10 + i % 1000 for i in range(limit - 10)]  # token ids the tiny model knows
+    r = post("/v1/completions", {"prompt": prompt, "max_tokens": 20})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    r = post("/v1/completions", {"prompt": prompt, "max_tokens": 20, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    time.sleep(0.5)
+    log = stack.worker_log()
+    assert "refused: max_new_tokens" in log and log.count("Traceback") == tracebacks, log[-3000:]

@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from app.client import JobFailed
-from app.streams import stream_key
+from tasks.contract import job_key, stream_key
 
 
 def stream_entries(url: str, job_id: str) -> list[dict]:
@@ -170,7 +170,7 @@ def test_worker_refuses_a_pool_that_cannot_host_the_engine(redis_url):
     import subprocess
     import sys
 
-    from tests.service import ROOT
+    from app.cli.processes import ROOT
 
     out = subprocess.run(
         [sys.executable, "-m", "celery", "-A", "app", "worker", "-P", "solo"],
@@ -191,8 +191,8 @@ def test_flower_shows_the_worker_and_engine_stats(service, tmp_path):
     import sys
     import urllib.request
 
-    from app.redis_server import free_port
-    from tests.service import ROOT
+    from app.cli.processes import ROOT
+    from app.cli.redis_server import free_port
 
     service.worker().wait_ready()
     service.client.submit("for flower", max_new_tokens=5).result(timeout=60)
@@ -251,3 +251,24 @@ def test_warm_shutdown_requeues_unfinished_jobs_and_never_hangs(service):
         assert result["usage"]["completion_tokens"] == 800 and result["worker"] == "w2@test"
         assert result["attempt"] == 2
         assert "".join(job.stream(timeout=10)) == result["text"]
+
+
+def test_a_client_cancel_during_the_shutdown_grace_ends_the_job_once(service):
+    import os
+    import signal
+
+    cfg = dict(FAST_RECOVERY, shutdown_grace_s=20)
+    first = service.worker("w1@test", **cfg).wait_ready()
+    job = service.client.submit("cancel me while my worker stops", max_new_tokens=1500, ignore_eos=True)
+    next(ev for ev in job.events(timeout=60) if ev.type == "token")
+    os.killpg(first.proc.pid, signal.SIGTERM)  # warm shutdown: the job may run on for the grace period
+    time.sleep(1.0)
+    assert job.cancel() == "running"  # the client gives up meanwhile: a cancel, not a requeue
+    assert job.result(timeout=60)["finish_reason"] == "cancelled"
+    assert first.proc.wait(60) == 0
+    service.worker("w2@test", **cfg).wait_ready()
+    time.sleep(3.0)  # a wrongly requeued job would be redelivered to w2 by now
+    entries = [f for _, f in service.client.redis.xrange(stream_key(job.id))]
+    ends = [e for e in entries if e[b"type"] in (b"end", b"error")]
+    assert len(ends) == 1, ends
+    assert service.client.redis.hget(job_key(job.id), "state") == b"cancelled"

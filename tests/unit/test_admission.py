@@ -5,7 +5,7 @@ import math
 import pytest
 
 from batcher import Batcher, BatcherConfig, ConfigError, Entry, Request, RequestRejected, TokenProfile
-from tests.conftest import drive
+from tests.drive import drive
 
 
 def batcher(budget=100, **kw) -> Batcher:

@@ -14,7 +14,7 @@ from transformers import (
 )
 
 from engine import Engine, EngineConfig
-from tests.test_engine import assert_greedy_equal, mixed_requests
+from tests.reference import assert_greedy_equal, mixed_requests
 
 SMALL = dict(
     hidden_size=128,

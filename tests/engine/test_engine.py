@@ -2,63 +2,19 @@
 
 from __future__ import annotations
 
-import random
 import threading
 
 import pytest
-import torch
 
 from engine import Engine, EngineConfig, GenerationRequest, InvalidRequest, ModelNotFound, SamplingParams
 from engine.models import load_model
-
-NEAR_TIE = 1e-4  # FACTS.md: batching noise is ~1e-5 in fp32; a smaller top1-top2 gap is a tie
-
-
-def mixed_requests(n: int, seed: int = 0, max_prompt: int = 512, max_new: int = 160) -> list[GenerationRequest]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        plen = rng.choice([1, 2, rng.randint(3, 40), rng.randint(40, max_prompt), max_prompt])
-        ids = [rng.randrange(10, 1100) for _ in range(plen)]
-        new = rng.choice([1, rng.randint(2, 40), rng.randint(40, max_new), max_new])
-        out.append(GenerationRequest(f"r{i}", prompt_token_ids=ids, params=SamplingParams(max_new_tokens=new)))
-    return out
-
-
-def reference_greedy(model, req: GenerationRequest) -> list[int]:
-    ids = torch.tensor([req.prompt_token_ids], device=model.device)
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=req.params.max_new_tokens, do_sample=False)
-    return out[0, ids.shape[1] :].tolist()
-
-
-def tie_gap(model, prompt: list[int], prefix: list[int]) -> float:
-    """The reference's top1 - top2 logit gap where the outputs diverge."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + prefix], device=model.device)).logits[0, -1]
-    top = logits.float().topk(2).values
-    return float(top[0] - top[1])
-
-
-def assert_greedy_equal(model, reqs, results, reference=None, tie: float = NEAR_TIE) -> list[str]:
-    """Token-for-token equality, except at a near-tie (reported, not failed)."""
-    ties = []
-    for req, res in zip(reqs, results, strict=True):
-        want = reference[req.id] if reference else reference_greedy(model, req)
-        got = list(res.token_ids)
-        if got == want:
-            continue
-        k = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
-        gap = tie_gap(model, req.prompt_token_ids, want[:k])
-        assert gap < tie, f"{req.id}: diverged at token {k} with a clear reference margin {gap:.2e}"
-        ties.append(f"{req.id}@{k} gap {gap:.1e}")
-    return ties
+from tests.reference import assert_greedy_equal, mixed_requests, reference
 
 
 @pytest.fixture(scope="module")
 def workload(reference_model):
     reqs = mixed_requests(48)
-    return reqs, {r.id: reference_greedy(reference_model, r) for r in reqs}
+    return reqs, {r.id: reference(reference_model, r) for r in reqs}
 
 
 def tight_engine(tiny_loaded, **kw) -> Engine:

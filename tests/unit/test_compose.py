@@ -10,9 +10,9 @@ import pytest
 import yaml
 
 from app.cli import build_parser
-from app.settings import Settings, _env_name
+from app.settings import Settings, env_name
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXTERNAL_ENV = {"HF_HOME"}  # read by libraries, not by Settings
 
 
@@ -38,9 +38,7 @@ def test_weightq_commands_parse_with_the_cli(services):
 
 
 def test_environment_names_are_settings_and_parse(services):
-    from dataclasses import fields
-
-    known = {_env_name(f.name) for f in fields(Settings)} | EXTERNAL_ENV
+    known = {env_name(name) for name in Settings.model_fields} | EXTERNAL_ENV
     for name, svc in services.items():
         env = {k: interpolate(str(v)) for k, v in (svc.get("environment") or {}).items()}
         assert set(env) <= known, (name, set(env) - known)

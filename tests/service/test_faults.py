@@ -10,11 +10,11 @@ import httpx
 import pytest
 import redis
 
+from app.cli.processes import GatewayProcess, WorkerProcess
+from app.cli.redis_server import EmbeddedRedis
 from app.client import Client, JobFailed
-from app.redis_server import EmbeddedRedis
 from app.settings import Settings
-from app.streams import job_key, stream_key
-from tests.service import GatewayProcess, WorkerProcess
+from tasks.contract import job_key, stream_key
 
 
 def end_entries(url: str, job_id: str) -> list[dict]:

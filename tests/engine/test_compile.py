@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from engine.decode_kernel import compile_paged_decode, paged_decode
 from engine.setup import wants_compile
-from tests.test_engine import assert_greedy_equal, mixed_requests
+from tests.reference import assert_greedy_equal, mixed_requests
 
 COMPILING = os.environ.get("WEIGHTQ_TEST_COMPILE") == "1"
 compiling = pytest.mark.skipif(not COMPILING, reason="runs in its own process (see the module docstring)")

@@ -1,0 +1,5 @@
+"""The client SDK: enqueue generations, stream their tokens, run batch files (no engine here)."""
+
+from .jobs import Client, Job, JobFailed, StreamEvent, submit
+
+__all__ = ["Client", "Job", "JobFailed", "StreamEvent", "submit"]

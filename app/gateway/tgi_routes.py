@@ -1,0 +1,99 @@
+"""Hugging Face text-generation-inference's routes (/generate, /generate_stream, /info, and the `/` that
+the `text_generation` client posts to) on the gateway's jobs; the shapes are tgi_api.py's."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from tasks.contract import EntryType, outcome
+
+from .core import Gateway, sse
+from .tgi_api import details, job_request, token
+
+
+def register(app: FastAPI, gw: Gateway) -> None:
+    async def generate(request: Request, body: dict, *, as_list: bool) -> Response:
+        job, params = job_request(body)
+        gw.serving.check(job, "parameters.max_new_tokens")
+        job_id = await gw.submit(job)
+        tokens: list[dict] = []
+
+        async def collect() -> dict:
+            async for _, f in gw.events(job_id):
+                if f.get("type") == EntryType.TOKEN:
+                    tokens.append(token(f))
+                elif (result := outcome(f)) is not None:  # raises JobFailed on an error entry
+                    return result
+            raise RuntimeError("stream ended without a result")
+
+        result = await gw.wait(request, job_id, collect())
+        if result.get("finish_reason") == "eos" and tokens:
+            tokens[-1]["special"] = True
+        text = result["text"]
+        if params.get("return_full_text"):
+            text = job["prompt"] + text
+        out: dict = {"generated_text": text}
+        if params.get("details") or as_list:
+            out["details"] = details(result, tokens, params.get("seed"))
+        return JSONResponse([out] if as_list else out)
+
+    async def generate_stream(request: Request, body: dict) -> Response:
+        job, params = job_request(body)
+        gw.serving.check(job, "parameters.max_new_tokens")
+        job_id, last_id = await gw.start(request, job, True)
+        want_details = bool(params.get("details"))
+        prefix = job["prompt"] if params.get("return_full_text") else ""
+
+        def chunks(entry_id: str, f: dict) -> list[str]:
+            kind = f.get("type")
+            if kind == EntryType.TOKEN:
+                return [sse({"token": token(f), "generated_text": None, "details": None}, entry_id)]
+            if kind == EntryType.END:
+                # TGI sends the last token with the full text; our end entry carries no token, so a last
+                # event repeats nothing: it has an empty special token, the text and the details.
+                result = outcome(f)
+                last = {"id": 0, "text": "", "logprob": None, "special": True}
+                d = details(result, [], params.get("seed")) if want_details else None
+                if d is not None:
+                    d = {k: d[k] for k in ("finish_reason", "generated_tokens", "seed")}
+                return [sse({"token": last, "generated_text": prefix + result["text"], "details": d}, entry_id)]
+            if kind == EntryType.ERROR:
+                return [sse({"error": f.get("message", "error"), "error_type": "generation"}, entry_id)]
+            return []
+
+        return await gw.stream(job_id, chunks, last_id)
+
+    @app.post("/generate")
+    async def generate_route(request: Request) -> Response:
+        return await generate(request, await gw.body(request), as_list=False)
+
+    @app.post("/generate_stream")
+    async def generate_stream_route(request: Request) -> Response:
+        return await generate_stream(request, await gw.body(request))
+
+    @app.post("/")
+    async def compat_route(request: Request) -> Response:
+        """Where the `text_generation` client posts: streaming or not by the body's `stream` flag."""
+        body = await gw.body(request)
+        if isinstance(body, dict) and body.get("stream"):
+            return await generate_stream(request, body)
+        return await generate(request, body, as_list=True)
+
+    @app.get("/info")
+    def info() -> dict:
+        workers = gw.workers()
+        any_worker = next(iter(workers.values()), {})
+        s = gw.settings
+        return {
+            "model_id": gw.model,
+            "model_dtype": s.dtype,
+            "model_device_type": s.device,
+            "max_input_tokens": any_worker.get("max_input_length", s.max_input_length or None),
+            "max_total_tokens": any_worker.get("max_total_tokens", s.max_total_tokens or None),
+            "max_batch_total_tokens": any_worker.get("max_batch_weight"),
+            "max_concurrent_requests": s.concurrency * max(1, len(workers)),
+            "workers": len(workers),
+            "router": "weightq",
+            "version": gw.version,
+        }

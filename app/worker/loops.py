@@ -1,0 +1,107 @@
+"""The worker's background loops, one concern each:
+- cancellation: a client's cancel (published on a channel) or a Celery revoke reaches the engine
+  within ~50 ms; the job's cancel flag stays in Redis for a run that starts later;
+- leases: the worker re-stamps its in-flight messages in kombu's `unacked_index`, so only a
+  dead worker's jobs outlive the visibility timeout and are redelivered;
+- backpressure: the consumer's prefetch follows what the engine could admit soon, so several
+  workers on one queue share it and none hoards jobs it cannot start;
+- recovery (recovery.py) and the heartbeat (the worker's stats, for the gateway and `weightq stats`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from app.settings import Settings
+from engine import Engine
+from tasks.contract import CANCEL_CHANNEL, HEARTBEATS
+
+from .inflight import InFlight
+
+log = logging.getLogger(__name__)
+
+
+def run_guarded(name: str, loop: Callable[[], None], stop: threading.Event) -> threading.Thread:
+    """Run `loop` on a daemon thread until `stop`, restarting it (after a second) if it raises."""
+
+    def run() -> None:
+        while not stop.is_set():
+            try:
+                loop()
+            except Exception:
+                log.exception("the %s loop failed; restarting it", name)
+                stop.wait(1.0)
+
+    t = threading.Thread(target=run, name=f"weightq-{name}", daemon=True)
+    t.start()
+    return t
+
+
+def cancel_loop(client: redis.Redis, engine: Engine, inflight: InFlight, stop: threading.Event) -> None:
+    """Cancels arrive as a publish on CANCEL_CHANNEL (clients) or a Celery revoke (control)."""
+    from celery.worker import state
+
+    pubsub = client.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(CANCEL_CHANNEL)
+    try:
+        while not stop.is_set():
+            message = pubsub.get_message(timeout=0.05)
+            if message is not None:
+                data = message["data"]
+                engine.cancel(data.decode() if isinstance(data, bytes) else data)
+            for job_id in inflight.ids():
+                if job_id in state.revoked:
+                    engine.cancel(job_id)
+    finally:
+        pubsub.close()
+
+
+def lease_loop(client: redis.Redis, settings: Settings, inflight: InFlight, consumer: Callable[[], Any], stop) -> None:
+    while not stop.wait(settings.lease_renew_s):
+        tags = delivered_tags(inflight, consumer())
+        if tags:
+            # XX: only re-stamp messages still unacked; never resurrect an acked one.
+            client.zadd("unacked_index", dict.fromkeys(tags, time.time()), xx=True)
+
+
+def delivered_tags(inflight: InFlight, consumer: Any) -> list[str]:
+    """Tags of the messages this worker holds: its running jobs' own (they outlive a broker
+    reconnect, which gives the consumer a fresh channel) and what the channel has delivered."""
+    tags = inflight.tags()
+    try:
+        delivered = consumer.task_consumer.channel.qos._delivered  # kombu's virtual QoS
+    except AttributeError:
+        return list(tags)
+    for _ in range(3):
+        try:
+            return list(tags.union(delivered))
+        except RuntimeError:  # changed size during iteration: another thread acked
+            continue
+    return list(tags)
+
+
+def prefetch_loop(
+    settings: Settings, engine: Engine, inflight: InFlight, consumer: Callable[[], Any], stopping, stop
+) -> None:
+    """Hold what the engine has, plus what it could admit now (nothing more once anything waits)."""
+    while not stop.wait(0.05):
+        qos = getattr(consumer(), "qos", None)
+        if qos is None or stopping.is_set():
+            continue
+        want = max(1, min(settings.concurrency, len(inflight) + engine.batcher.room_for()))
+        if want > qos.value:
+            qos.increment_eventually(want - qos.value)
+        elif want < qos.value:
+            qos.decrement_eventually(qos.value - want)
+
+
+def heartbeat_loop(client: redis.Redis, hostname: str, stats: Callable[[], dict], stop) -> None:
+    while not stop.wait(1.0):
+        client.hset(HEARTBEATS, hostname, json.dumps(stats() | {"ts": time.time()}))

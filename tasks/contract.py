@@ -1,0 +1,258 @@
+"""The job contract: how a client, the gateway and a worker meet in Redis. Readers and the writer
+import it; nothing else spells a key, an entry type or the task name.
+
+Keys (all expire; see Settings):
+  weightq:stream:{id}  a Redis Stream of the job's entries, oldest first:
+      {"type": "attempt", "attempt": n}                  written first by every run of the job
+      {"type": "token", "i": index, "text": delta, "id": token id, "ts": engine emit time (unix s)}
+      {"type": "end", "reason": ..., "result": JSON}     the last entry of a finished job
+      {"type": "error", "message": ..., "field": ...}    the last entry of a failed job
+  weightq:job:{id}     a hash: state (queued | running | done | cancelled), attempt, cancel, result,
+                       error and field (a failed job), request and queued_at (for recovery)
+  weightq:queued       a sorted set: ids of jobs submitted and not yet started, by submission time
+  weightq:started_hw   the latest submission time of any job that has started (FIFO high-water mark)
+  weightq:dead         a list: JSON records of dead-lettered jobs (too many attempts), newest first
+  weightq:workers      a hash: each worker's heartbeat (its stats as JSON, with "ts")
+  weightq:cancel       a pub/sub channel: a running job's id, published when a client cancels it
+
+A reader reads the stream from 0-0, so attaching late misses nothing. A job restarted after its worker
+died writes a new attempt entry and regenerates its tokens from index 0; `Replay` drops the ones a
+reader already has (greedy and seeded runs regenerate the same tokens).
+
+The task `TASK_NAME` takes the request dict of tasks/schema.py and returns `result_dict`'s shape.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine import FinishEvent
+
+TASK_NAME = "weightq.generate"
+
+STREAM_PREFIX = "weightq:stream:"
+JOB_PREFIX = "weightq:job:"
+CANCEL_CHANNEL = "weightq:cancel"
+QUEUED = "weightq:queued"
+STARTED_HW = "weightq:started_hw"
+DEAD = "weightq:dead"
+HEARTBEATS = "weightq:workers"
+RECOVER_LOCK = "weightq:recover-lock"
+RUNNING_STREAM_TTL_S = 86_400  # a running job's stream lives a day; once it ends, STREAM_TTL_S
+SINGLETONS = (CANCEL_CHANNEL, QUEUED, STARTED_HW, DEAD, HEARTBEATS, RECOVER_LOCK)
+
+
+def stream_key(job_id: str) -> str:
+    return STREAM_PREFIX + job_id
+
+
+def job_key(job_id: str) -> str:
+    return JOB_PREFIX + job_id
+
+
+def job_of_stream(key: str) -> str:
+    return key.removeprefix(STREAM_PREFIX)
+
+
+def writer_key(token: str) -> str:
+    """A stream writer's record of the last batch it applied (see WRITE_BATCH)."""
+    return f"weightq:writer:{token}"
+
+
+class EntryType(StrEnum):
+    ATTEMPT = "attempt"
+    TOKEN = "token"
+    END = "end"
+    ERROR = "error"
+
+
+END_TYPES = frozenset({EntryType.END, EntryType.ERROR})
+
+
+class JobState(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    CANCELLED = "cancelled"
+
+
+class JobFailed(RuntimeError):
+    """The job ended with an error entry; `field` names the request field when the request was bad."""
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def decode_fields(raw: Mapping) -> dict[str, str]:
+    """A stream entry's fields as str (redis-py returns bytes unless decode_responses is set)."""
+    return {
+        k.decode() if isinstance(k, bytes) else k: v.decode() if isinstance(v, bytes) else v for k, v in raw.items()
+    }
+
+
+def is_end(fields: Mapping[str, str]) -> bool:
+    return fields.get("type") in END_TYPES
+
+
+def outcome(fields: Mapping[str, str]) -> dict | None:
+    """The job's result if this is its end entry; raises JobFailed on its error entry; else None."""
+    kind = fields.get("type")
+    if kind == EntryType.END:
+        return json.loads(fields["result"])
+    if kind == EntryType.ERROR:
+        raise JobFailed(fields.get("message") or "error", fields.get("field") or "")
+    return None
+
+
+class Replay:
+    """Drops the tokens of a restarted job that a reader already has (by their index)."""
+
+    __slots__ = ("delivered",)
+
+    def __init__(self) -> None:
+        self.delivered = 0
+
+    def fresh(self, fields: Mapping[str, str]) -> bool:
+        if fields.get("type") != EntryType.TOKEN:
+            return True
+        i = int(fields.get("i", 0))
+        if i < self.delivered:
+            return False
+        self.delivered = i + 1
+        return True
+
+
+def field_of(message: str | None) -> str:
+    """The request field an engine error names (its "field: ..." prefix), or ""."""
+    head = (message or "").split(":", 1)[0]
+    return head if head.isidentifier() else ""
+
+
+def cancelled_result(job_id: str) -> dict[str, Any]:
+    """The result of a job cancelled before it ever ran."""
+    return {
+        "id": job_id,
+        "text": "",
+        "finish_reason": "cancelled",
+        "token_ids": [],
+        "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+        "timings": {},
+    }
+
+
+def result_dict(ev: FinishEvent) -> dict[str, Any]:
+    """The JSON result of a generation (the task's return value)."""
+    return {
+        "id": ev.request_id,
+        "text": ev.text,
+        "finish_reason": ev.reason,
+        "token_ids": list(ev.token_ids),
+        "usage": {
+            "prompt_tokens": ev.prompt_tokens,
+            "completion_tokens": ev.completion_tokens,
+            "total_tokens": ev.prompt_tokens + ev.completion_tokens,
+        },
+        "timings": {"queue_s": round(ev.queue_s, 6), "ttft_s": round(ev.ttft_s, 6), "total_s": round(ev.total_s, 6)},
+    }
+
+
+# ----- the scripts that change a job's state (atomic in Redis) ------------------------------------
+
+# Start (or restart) a run: refuse a cancelled or finished job; dead-letter one that has been started
+# too often (a poison job that kills its worker every time); else bump the attempt and mark it.
+# KEYS: job hash, stream, queued set, high-water mark, dead list.
+# ARGV: stream maxlen, stream ttl, job ttl, max attempts, now, worker name, job id, cancelled result.
+BEGIN = """
+local state = redis.call('HGET', KEYS[1], 'state')
+redis.call('ZREM', KEYS[3], ARGV[7])
+if state == 'cancelled' or redis.call('HGET', KEYS[1], 'cancel') then
+  if state ~= 'cancelled' then  -- cancelled while its worker died: end it here, once
+    redis.call('HSET', KEYS[1], 'state', 'cancelled')
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'end', 'reason', 'cancelled', 'result', ARGV[8])
+    redis.call('EXPIRE', KEYS[2], ARGV[2])
+  end
+  return {-1, ''}
+end
+if state == 'done' then return {-2, redis.call('HGET', KEYS[1], 'result') or ''} end
+local q = tonumber(redis.call('HGET', KEYS[1], 'queued_at') or '0')
+if q > tonumber(redis.call('GET', KEYS[4]) or '0') then redis.call('SET', KEYS[4], q) end
+local n = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+if n > tonumber(ARGV[4]) then
+  local msg = 'dead-lettered: started ' .. (n - 1) .. ' times without finishing (the limit is ' .. ARGV[4] ..
+    '); its worker may crash on it'
+  redis.call('HSET', KEYS[1], 'state', 'done', 'error', msg, 'field', '')
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'error', 'message', msg, 'field', '')
+  redis.call('EXPIRE', KEYS[2], ARGV[2])
+  redis.call('LPUSH', KEYS[5], cjson.encode({id = ARGV[7], attempts = n - 1, at = tonumber(ARGV[5]),
+    worker = ARGV[6], request = redis.call('HGET', KEYS[1], 'request') or ''}))
+  return {-3, msg}
+end
+redis.call('HSET', KEYS[1], 'state', 'running')
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'attempt', 'attempt', n)
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return {n, ''}
+"""
+
+# Fail a job before it runs (a refused request): once, however often it is retried or redelivered.
+# KEYS: job hash, stream, queued set. ARGV: stream maxlen, stream ttl, job ttl, message, field, job id.
+FAIL = """
+if redis.call('HGET', KEYS[1], 'state') == 'done' then return 0 end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'error', 'message', ARGV[4], 'field', ARGV[5])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+redis.call('HSET', KEYS[1], 'state', 'done', 'error', ARGV[4], 'field', ARGV[5])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('ZREM', KEYS[3], ARGV[6])
+return 1
+"""
+
+# A step's stream entries, applied at most once per (writer, seq). A job's last entry and its final
+# state go together, so a worker that dies after writing the end never leaves a 'running' job that a
+# redelivery would run again.
+# KEYS: the writer's key, then streams and job hashes. ARGV: maxlen, stream ttl, job ttl, seq, then
+# per entry: stream index (into KEYS), job index (0: none), number of field pairs, number of job-state
+# pairs, the field pairs, the job-state pairs.
+WRITE_BATCH = """
+if tonumber(redis.call('GET', KEYS[1]) or '0') >= tonumber(ARGV[4]) then return 0 end
+redis.call('SET', KEYS[1], ARGV[4], 'EX', 86400)
+local i = 5
+while i <= #ARGV do
+  local key = KEYS[tonumber(ARGV[i])]
+  local job = tonumber(ARGV[i + 1])
+  local n, m = tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
+  local cmd = {'XADD', key, 'MAXLEN', '~', ARGV[1], '*'}
+  for j = 1, 2 * n do cmd[#cmd + 1] = ARGV[i + 3 + j] end
+  redis.call(unpack(cmd))
+  if job > 0 then
+    redis.call('EXPIRE', key, ARGV[2])
+    local h = {'HSET', KEYS[job]}
+    for j = 1, 2 * m do h[#h + 1] = ARGV[i + 3 + 2 * n + j] end
+    if m > 0 then redis.call(unpack(h)) end
+    redis.call('EXPIRE', KEYS[job], ARGV[3])
+  end
+  i = i + 4 + 2 * n + 2 * m
+end
+return 1
+"""
+
+# Cancel from a client: a queued job ends here and now; a running one is flagged for its worker.
+CANCEL = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if state == 'done' or state == 'cancelled' then return state end
+if state == 'running' then
+  redis.call('HSET', KEYS[1], 'cancel', '1')
+  redis.call('PUBLISH', ARGV[4], ARGV[5])
+  return 'running'
+end
+redis.call('HSET', KEYS[1], 'state', 'cancelled')
+redis.call('ZREM', KEYS[3], ARGV[5])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'end', 'reason', 'cancelled', 'result', ARGV[3])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return 'queued'
+"""

@@ -1,0 +1,114 @@
+"""Dependencies point one way: app -> tasks -> engine -> batcher. batcher/ is pure standard library."""
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+FORBIDDEN = {"torch", "redis", "celery", "kombu", "transformers", "numpy", "engine", "tasks", "app"}
+ENGINE_FORBIDDEN = {"redis", "celery", "kombu", "tasks", "app"}
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def imports_of(package: str, forbidden: set[str]) -> list[str]:
+    offenders = []
+    for path in (ROOT / package).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in forbidden]
+    return offenders
+
+
+def test_batcher_imports_nothing_heavy_or_upstream():
+    assert imports_of("batcher", FORBIDDEN) == []
+
+
+def test_engine_knows_nothing_of_redis_celery_or_the_service():
+    assert imports_of("engine", ENGINE_FORBIDDEN) == []
+
+
+def test_importing_batcher_loads_no_forbidden_module():
+    code = (
+        "import sys, batcher, batcher.sim; "
+        f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {sorted(FORBIDDEN)!r}); "
+        "print(','.join(bad))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_tasks_never_import_the_app():
+    assert imports_of("tasks", {"app"}) == []
+
+
+def _app_imports() -> dict[str, set[str]]:
+    """app module -> the app modules it imports (module level, relative or absolute; TYPE_CHECKING too)."""
+    graph: dict[str, set[str]] = {}
+    for path in (ROOT / "app").rglob("*.py"):
+        rel = path.relative_to(ROOT).with_suffix("")
+        mod = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        pkg = mod if rel.name == "__init__" else mod.rsplit(".", 1)[0]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = pkg.rsplit(".", node.level - 1)[0] if node.level > 1 else pkg
+                    target = f"{base}.{node.module}" if node.module else base
+                    names = [target] + ([f"{target}.{a.name}" for a in node.names] if not node.module else [])
+                else:
+                    names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            deps |= {n for n in names if n.split(".")[0] == "app"}
+        graph[mod] = deps
+    # an import of a package means its __init__; of a name inside a module, that module
+    modules = set(graph)
+    return {m: {d if d in modules else d.rsplit(".", 1)[0] for d in ds} & modules - {m} for m, ds in graph.items()}
+
+
+def test_app_has_no_import_cycles_between_its_subpackages():
+    graph = _app_imports()
+
+    def sub(m: str) -> str:
+        parts = m.split(".")
+        return parts[1] if len(parts) > 2 or (ROOT / "app" / parts[-1]).is_dir() else m
+
+    edges = {(sub(a), sub(b)) for a, ds in graph.items() for b in ds if sub(a) != sub(b)}
+    for a, b in edges:
+        assert (b, a) not in edges, f"app.{a} and app.{b} import each other"
+
+
+def test_app_layout_a_newcomer_can_read():
+    top = sorted(p.name for p in (ROOT / "app").glob("*.py"))
+    assert len(top) <= 8, f"app/ has {len(top)} modules at its top level: {top}"
+    long = []
+    for path in (ROOT / "app").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 200:
+                long.append(f"{path.relative_to(ROOT)}: {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert long == []
+
+
+def test_the_job_contract_is_spelled_once():
+    """The task name, the Redis keys and the stream entry types live in tasks/contract.py alone."""
+    spelled = re.compile(
+        r"""["']weightq\.generate["']|["']weightq:[a-z]"""
+        r"""|(get\(b?["']type["']\)|\[b?["']type["']\]) *(==|!=|in) *\(?b?["'](token|end|error|attempt)["']"""
+        r"""|["']type["']: *["'](token|end|error|attempt)["']|\(b?["']end["'], *b?["']error["']\)"""
+    )
+    offenders = []
+    for package in ("app", "tasks", "bench"):
+        for path in (ROOT / package).rglob("*.py"):
+            if path.name == "contract.py":
+                continue
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                if spelled.search(line):
+                    offenders.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert offenders == []
