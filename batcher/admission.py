@@ -13,7 +13,6 @@ arrived within jump_window_s after it, and never once that one has waited max_wa
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
@@ -21,6 +20,7 @@ from .config import BatcherConfig
 from .estimator import OutputLengthEstimator
 from .projection import Entry, PaddedProfile, TokenProfile
 from .request import Request, RequestRejected
+from .reservations import Reservations
 from .weight import weight_model
 
 
@@ -84,8 +84,7 @@ class Batcher:
         self._seq = 0
         self._committed = 0  # sum of reserved final weights (token model)
         self._typical = 0  # moving average of admitted requests' reserved weight
-        self._var: dict[str, float] = {}  # predictive mode: variance of each running request's remaining length
-        self._var_sum = 0.0
+        self.reservations = Reservations(self.estimator, cfg.max_preemptions)
         self._admit_budget = self.budget  # the budget less the predictive margin, for this step's admissions
         self._profile: TokenProfile | PaddedProfile = self.weight.profile([])
         self._entries: dict[str, Entry] = {}  # each running request's entry, as the profile has it or will
@@ -219,9 +218,7 @@ class Batcher:
 
     def _release(self, req: Request) -> None:
         self._committed -= self.weight.seq(req.reserved_total)
-        self._var_sum -= self._var.pop(req.id, 0.0)
-        if not self._var:
-            self._var_sum = 0.0  # no float drift survives an empty batch
+        self.reservations.forget(req.id)
         self._prefilling.pop(req.id, None)
         self._set_entry(req.id, None)
         self._running_changed()
@@ -232,33 +229,6 @@ class Batcher:
         gets a real pass."""
         self._stale = True
         self._idle = False
-
-    def _estimated(self, req: Request) -> bool:
-        """Does this request reserve an estimate (rather than its max_new_tokens)?"""
-        return not (self.estimator is None or req.runs_to_max or req.preemptions >= self.config.max_preemptions)
-
-    def _reserve(self, req: Request) -> int:
-        if not self._estimated(req):
-            return req.max_new_tokens
-        return self.estimator.reserve(req.max_new_tokens, req.generated)  # type: ignore[union-attr]
-
-    def _variance(self, req: Request) -> float:
-        if not self._estimated(req) or req.reserved_new >= req.max_new_tokens:
-            return 0.0
-        return self.estimator.variance(req.max_new_tokens, req.generated)  # type: ignore[union-attr]
-
-    def _set_variance(self, req: Request) -> None:
-        v = self._variance(req)
-        self._var_sum += v - self._var.get(req.id, 0.0)
-        self._var[req.id] = v
-
-    def _margin(self, extra_var: float = 0.0) -> int:
-        """Predictive mode: weight held back from admission, `margin` standard deviations of the running
-        set's remaining output (plus `extra_var`), so that outgrown reservations seldom force a preemption."""
-        est = self.estimator
-        if est is None:
-            return 0
-        return int(est.margin * math.sqrt(max(0.0, self._var_sum + extra_var)))
 
     def _running_work(self, plan: StepPlan) -> list[int]:
         """Decode every decoding request; give continuing prompt chunks the prefill cap first (FIFO)."""
@@ -388,9 +358,10 @@ class Batcher:
                 if first_blocked is None:
                     first_blocked, first_idx = cand, idx
                 continue
-            cand.reserved_new = self._reserve(cand)
+            res = self.reservations
+            cand.reserved_new = res.reserve(cand)
             if self.estimator is not None:  # alone, a request always fits: its worst case does (check)
-                self._admit_budget = self.budget - (self._margin(self._variance(cand)) if self.running else 0)
+                self._admit_budget = self.budget - (res.margin(res.variance(cand)) if self.running else 0)
             ctx, res, fix = cand.context_len, cand.reserved_new, cand.fixed_len
             # A candidate at least as long in context, reservation and fixed part (and in the rest) as
             # one refused in this pass is refused too (it weighs at least as much at every step).
@@ -435,8 +406,7 @@ class Batcher:
         w = self.weight.seq(req.reserved_total)
         self._committed += w
         self._typical = w if not self._typical else (7 * self._typical + w) // 8
-        if self.estimator is not None:
-            self._set_variance(req)
+        self.reservations.track(req)
         self._prefilling[req.id] = req
         self._running_changed()
         self.stats.admitted += 1
@@ -461,9 +431,9 @@ class Batcher:
         for req in self.running.values():
             if req.decoding and req.generated >= req.reserved_new:
                 old = self.weight.seq(req.reserved_total)
-                req.reserved_new = self._reserve(req)
+                req.reserved_new = self.reservations.reserve(req)
                 self._committed += self.weight.seq(req.reserved_total) - old
-                self._set_variance(req)
+                self.reservations.track(req)
                 self._set_entry(req.id, self._decoding_entry(req))
                 self._running_changed()
         preempted: list[Request] = []

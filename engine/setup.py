@@ -107,24 +107,7 @@ def build(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
     log.info("KV cache: %s", why)
     cache = KVCache(lm.geometry, blocks, block, lm.device)
     runner = ModelRunner(lm.model, cache, backend, lm.device, compiled=wants_compile(cfg.compile, lm.device, backend))
-    try:
-        batcher = Batcher(
-            BatcherConfig(
-                max_batch_weight=blocks * block,
-                max_batch_size=cfg.max_batch_size,
-                max_total_tokens=max_total,
-                max_prefill_weight=cfg.max_prefill_weight,
-                chunked_prefill=True,
-                block_size=block,
-                jump_window_s=cfg.jump_window_s,
-                max_wait_s=cfg.max_wait_s,
-                mode="predictive" if cfg.mode == "auto" else cfg.mode,
-                predictive_margin=cfg.predictive_margin,
-                max_preemptions=cfg.max_preemptions,
-            )
-        )
-    except ConfigError as e:
-        raise ConfigError(f"{e} (KV cache: {why})") from e
+    batcher = make_batcher(cfg, blocks * block, max_total, f"KV cache: {why}", block_size=block)
     return EngineParts(backend, lm, runner, batcher, why, max_input)
 
 
@@ -165,20 +148,33 @@ def _build_padded(cfg: EngineConfig, lm: LoadedModel, max_total: int, max_input:
         weight = int(budget // per_unit)
         why = f"{where} / {per_unit:.0f} B per weight unit ({how})"
     log.info("padded batch: max_batch_weight %d (%s)", weight, why)
+    batcher = make_batcher(cfg, weight, max_total, f"padded batch: {why}")
+    runner.budget = batcher.budget
+    return EngineParts("padded", lm, runner, batcher, f"{weight} padded weight units ({why})", max_input)
+
+
+def make_batcher(cfg: EngineConfig, weight: int, max_total: int, why: str, *, block_size: int = 0) -> Batcher:
+    """The one place an EngineConfig becomes a BatcherConfig: the paged runner's token weight
+    (`block_size` > 0; chunked prefill; mode "auto" is predictive) or the padded runner's (whole
+    prompts; it cannot preempt, so always worst_case). A config that cannot serve one maximal
+    request raises ConfigError saying where the budget came from (`why`)."""
+    paged = block_size > 0
     try:
-        batcher = Batcher(
+        return Batcher(
             BatcherConfig(
                 max_batch_weight=weight,
                 max_batch_size=cfg.max_batch_size,
                 max_total_tokens=max_total,
                 max_prefill_weight=cfg.max_prefill_weight,
-                chunked_prefill=False,
-                weight_model="padded",
+                chunked_prefill=paged,
+                weight_model="token" if paged else "padded",
+                block_size=block_size if paged else 1,
                 jump_window_s=cfg.jump_window_s,
                 max_wait_s=cfg.max_wait_s,
+                mode=("predictive" if cfg.mode == "auto" else cfg.mode) if paged else "worst_case",
+                predictive_margin=cfg.predictive_margin,
+                max_preemptions=cfg.max_preemptions,
             )
         )
     except ConfigError as e:
-        raise ConfigError(f"{e} (padded batch: {why})") from e
-    runner.budget = batcher.budget
-    return EngineParts("padded", lm, runner, batcher, f"{weight} padded weight units ({why})", max_input)
+        raise ConfigError(f"{e} ({why})") from e

@@ -243,7 +243,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
             f"weightq gateway: refusing to serve {host} without an API key: set API_KEY (clients send "
             "`Authorization: Bearer <key>`), bind 127.0.0.1, or pass --allow-insecure"
         )
-    from .stack import refuse_taken_ports
+    from .supervise import refuse_taken_ports
 
     refuse_taken_ports("weightq gateway", host, {"gateway": port})  # before anything else, not at bind time
     url = ensure_redis(settings)

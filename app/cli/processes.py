@@ -37,7 +37,7 @@ class WorkerProcess:
             )
         self.redis = redis.Redis.from_url(url)
 
-    def wait_ready(self, timeout: float = 120) -> WorkerProcess:
+    def wait_ready(self, timeout: float = 300) -> WorkerProcess:
         deadline = time.monotonic() + timeout
         while not self.redis.hexists(HEARTBEATS, self.name):
             if self.proc.poll() is not None:
@@ -53,6 +53,19 @@ class WorkerProcess:
         raw = self.redis.hget(HEARTBEATS, self.name)
         return json.loads(raw) if raw else {}
 
+    def wait_stats(self, ok=lambda s: True, timeout: float = 60) -> dict:
+        """The first heartbeat written from now on that satisfies `ok` (heartbeats come about once a
+        second, later on a busy machine: a test never assumes when)."""
+        since = time.time()
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.stats()
+            if s.get("ts", 0) > since and ok(s):
+                return s
+            if time.monotonic() > deadline:
+                raise AssertionError(f"worker {self.name}: no heartbeat satisfied the condition in {timeout} s: {s}")
+            time.sleep(0.2)
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
@@ -63,7 +76,7 @@ class WorkerProcess:
         with contextlib.suppress(redis.RedisError):
             self.redis.hdel(HEARTBEATS, self.name)
 
-    def stop(self, timeout: float = 60) -> int:
+    def stop(self, timeout: float = 120) -> int:
         """Warm shutdown (SIGTERM); a worker that hangs is killed and the test fails."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -96,7 +109,7 @@ class GatewayProcess:
                 start_new_session=True,
             )
 
-    def wait_ready(self, timeout: float = 60) -> GatewayProcess:
+    def wait_ready(self, timeout: float = 120) -> GatewayProcess:
         import httpx
 
         deadline = time.monotonic() + timeout

@@ -8,15 +8,12 @@ generations finish or go back to the queue), then the Redis it started.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -28,6 +25,7 @@ from app.settings import Settings
 from tasks.contract import HEARTBEATS
 
 from .redis_server import EmbeddedRedis
+from .supervise import refuse_taken_ports, signals_ignored, stop_on_signals
 
 
 @dataclass
@@ -162,57 +160,6 @@ class Stack:
         except (RuntimeError, TimeoutError) as e:
             print(f"weightq: {e}", file=sys.stderr, flush=True)
             return 1
-
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-
-
-@contextlib.contextmanager
-def stop_on_signals() -> Iterator[None]:
-    """SIGTERM and SIGHUP (systemd, container runtimes, `timeout`, a closed terminal) stop the stack as
-    Ctrl-C does: as a KeyboardInterrupt in the main thread."""
-
-    def interrupt(signum, frame) -> None:
-        raise KeyboardInterrupt
-
-    old = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-
-
-@contextlib.contextmanager
-def signals_ignored() -> Iterator[None]:
-    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, *STOP_SIGNALS)}
-    try:
-        yield
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-
-
-def port_taken(host: str, port: int) -> bool:
-    """Would binding host:port fail? (Checked before anything starts, so a second `weightq up` never
-    says ready on the strength of the first one's gateway.)"""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-    return False
-
-
-def refuse_taken_ports(command: str, host: str, ports: dict[str, int]) -> None:
-    for what, port in ports.items():
-        if port and port_taken(host, port):
-            raise SystemExit(
-                f"{command}: {host}:{port} ({what}) is already in use, by another weightq up or gateway? "
-                "Stop it, or choose another port"
-            )
 
 
 def stream_chat(base: str, prompt: str, max_tokens: int, headers: dict | None = None) -> dict:

@@ -34,7 +34,7 @@ def test_compiled_tests_in_their_own_process():
         env=env,
         capture_output=True,
         text=True,
-        timeout=1200,
+        timeout=1800,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert " passed" in run.stdout and "failed" not in run.stdout

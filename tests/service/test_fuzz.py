@@ -65,7 +65,7 @@ def test_stop_token_ids_are_checked_by_field():
         assert e.value.field == "stop_token_ids"
 
 
-@settings(max_examples=EXAMPLES * 4, deadline=None)
+@settings(max_examples=EXAMPLES * 4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(request_dicts(FIELDS) | json_values)
 def test_schema_refuses_by_field_or_accepts(data):
     try:
@@ -76,7 +76,7 @@ def test_schema_refuses_by_field_or_accepts(data):
     spec.params.validate()  # what the schema accepts, the engine accepts too
 
 
-@settings(max_examples=EXAMPLES * 4, deadline=None)
+@settings(max_examples=EXAMPLES * 4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(request_dicts(openai_api.COMPLETION_FIELDS | openai_api.CHAT_FIELDS) | json_values, st.booleans())
 def test_openai_mapping_refuses_by_field_or_yields_a_valid_job(body, chat):
     try:
@@ -86,7 +86,7 @@ def test_openai_mapping_refuses_by_field_or_yields_a_valid_job(body, chat):
         assert e.field
 
 
-@settings(max_examples=EXAMPLES * 4, deadline=None)
+@settings(max_examples=EXAMPLES * 4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.fixed_dictionaries({"inputs": json_values, "parameters": request_dicts(tgi_api.PARAMETERS) | json_values})
        | json_values)  # fmt: skip
 def test_tgi_mapping_refuses_by_field_or_yields_a_valid_job(body):
@@ -171,12 +171,14 @@ def test_thousands_of_connections_opened_and_dropped(live):
         await asyncio.gather(*(one(i) for i in range(2000)))
 
     asyncio.run(flood())
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300  # ~700 jobs to cancel or finish; slower on a busy machine
     while True:
-        r = httpx.get(gateway.base + "/health", timeout=10)
-        time.sleep(1.2)
-        stats = worker.stats()
-        if r.status_code == 200 and stats["running"] == 0 and stats["waiting"] == 0 and stats["active_jobs"] == 0:
+        try:
+            healthy = httpx.get(gateway.base + "/health", timeout=30).status_code == 200
+        except httpx.TransportError:
+            healthy = False
+        stats = worker.wait_stats()
+        if healthy and stats["running"] == 0 and stats["waiting"] == 0 and stats["active_jobs"] == 0:
             break
         assert time.monotonic() < deadline, stats
     assert stats["kv_blocks_used"] == 0

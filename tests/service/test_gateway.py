@@ -39,9 +39,8 @@ def stack(redis_url, tmp_path_factory):
         headers: ClassVar[dict] = {"Authorization": f"Bearer {KEY}"}
 
         @staticmethod
-        def stats() -> dict:
-            time.sleep(1.2)  # the next heartbeat
-            return worker.stats()
+        def stats(ok=lambda s: True) -> dict:
+            return worker.wait_stats(ok)  # a heartbeat written from now on that satisfies `ok`
 
         @staticmethod
         def worker_log() -> str:
@@ -160,7 +159,7 @@ def test_a_client_that_disconnects_cancels_its_job_and_frees_its_blocks(stack):
         for _ in range(5):
             next(lines)
     r = redis.Redis.from_url(stack.url, decode_responses=True)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while r.hget(job_key(job_id), "state") != "cancelled":
         assert time.monotonic() < deadline, r.hgetall(job_key(job_id))
         time.sleep(0.05)
@@ -168,18 +167,17 @@ def test_a_client_that_disconnects_cancels_its_job_and_frees_its_blocks(stack):
     before = len(_cancelled_jobs(stack.url))
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(stack.base + "/v1/completions", json={**body, "stream": False}, headers=stack.headers, timeout=1.0)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while len(_cancelled_jobs(stack.url)) == before:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    stats = stack.stats()
-    assert stats["running"] == 0 and stats["kv_blocks_used"] == 0
+    stack.stats(lambda s: s["running"] == 0 and s["kv_blocks_used"] == 0)  # the blocks come back
 
 
 def test_metrics_cover_the_workers_engines(stack):
     stack.oai.completions.create(model="builtin:tiny", prompt="hello", max_tokens=4)
-    stack.stats()
-    text = httpx.get(stack.base + "/metrics", headers=stack.headers).text
+    stack.stats(lambda s: s.get("finished", 0) > 0)
+    text = httpx.get(stack.base + "/metrics", headers=stack.headers, timeout=30).text
     for name in (
         'weightq_requests_running{worker="gw@test"}',
         'weightq_batch_weight_budget{worker="gw@test"} 8192.0',
@@ -258,8 +256,8 @@ def test_per_key_limits_answer_429_with_retry_after(stack, redis_url, tmp_path):
     # one request back per 100 s: the third of three is refused however slowly a loaded machine sends them
     rated = GatewayProcess(redis_url, tmp_path, rate_limit_per_s=0.01, rate_burst=2).wait_ready()  # by address
     try:
-        codes = [httpx.post(rated.base + "/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code
-                 for _ in range(3)]  # fmt: skip
+        one = {"prompt": "x", "max_tokens": 1}
+        codes = [httpx.post(rated.base + "/v1/completions", json=one, timeout=60).status_code for _ in range(3)]
         assert codes == [200, 200, 429]
     finally:
         rated.stop()
@@ -282,6 +280,9 @@ def test_over_long_requests_are_a_400_naming_the_field_the_client_sent(stack):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
     r = post("/v1/completions", {"prompt": prompt, "max_tokens": 20, "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
-    time.sleep(0.5)
+    deadline = time.monotonic() + 60  # the task logs its refusal after the error entry is written
+    while stack.worker_log().count("refused: max_new_tokens") < 2:
+        assert time.monotonic() < deadline, stack.worker_log()[-3000:]
+        time.sleep(0.2)
     log = stack.worker_log()
     assert "refused: max_new_tokens" in log and log.count("Traceback") == tracebacks, log[-3000:]

@@ -303,10 +303,10 @@ def test_the_batch_margin_holds_back_standard_deviations_of_the_running_sets_rem
         plan = b.schedule(10.0)
         mean, var = b.estimator.moments(100)
         assert all(r.reserved_new == math.ceil(mean) for r in plan.admitted)
-        assert b._var_sum == pytest.approx(len(plan.admitted) * var)
+        assert b.reservations.var_sum == pytest.approx(len(plan.admitted) * var)
         # what was admitted fits the budget less the margin; one more would not have
-        held = b._margin() if margin else 0
+        held = b.reservations.margin() if margin else 0
         assert len(plan.admitted) * (10 + math.ceil(mean)) <= 2000 - held
-        assert (len(plan.admitted) + 1) * (10 + math.ceil(mean)) > 2000 - b._margin(var)
+        assert (len(plan.admitted) + 1) * (10 + math.ceil(mean)) > 2000 - b.reservations.margin(var)
         admitted[margin] = len(plan.admitted)
     assert admitted[3.0] < admitted[0.0]

@@ -34,7 +34,7 @@ def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
         env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=180,
     )
 
 
