@@ -31,11 +31,12 @@ def tie_gap(model, prompt: list[int], prefix: list[int]) -> float:
     return float(top[0] - top[1])
 
 
-def assert_greedy_equal(model, reqs, results, reference=None, tie: float = NEAR_TIE) -> list[str]:
-    """Token-for-token equality, except at a near-tie (reported, not failed)."""
+def assert_greedy_equal(model, reqs, results, expected: dict | None = None, tie: float = NEAR_TIE) -> list[str]:
+    """Token-for-token equality with `expected` (request id -> ids; default: generate() now), except
+    at a near-tie (reported, not failed)."""
     ties = []
     for req, res in zip(reqs, results, strict=True):
-        want = reference[req.id] if reference else reference(model, req)
+        want = expected[req.id] if expected else reference(model, req)
         got = list(res.token_ids)
         if got == want:
             continue

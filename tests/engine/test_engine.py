@@ -27,7 +27,7 @@ def tight_engine(tiny_loaded, **kw) -> Engine:
 
 
 def test_greedy_matches_generate_under_a_tight_budget(tiny_loaded, reference_model, workload):
-    reqs, reference = workload
+    reqs, expected = workload
     engine = tight_engine(tiny_loaded)
     order: list[str] = []
     chunks: list[int] = []
@@ -41,7 +41,7 @@ def test_greedy_matches_generate_under_a_tight_budget(tiny_loaded, reference_mod
 
     engine.batcher.schedule = spy
     results = engine.generate(reqs)
-    ties = assert_greedy_equal(reference_model, reqs, results, reference)
+    ties = assert_greedy_equal(reference_model, reqs, results, expected)
     print("near-ties:", ties)
     assert all(r.reason in ("length", "eos") for r in results)
     assert engine.batcher.stats.rejected_projected > 0, "the budget never forced queueing"
@@ -51,7 +51,7 @@ def test_greedy_matches_generate_under_a_tight_budget(tiny_loaded, reference_mod
 
 
 def test_predictive_mode_with_preemption_gives_the_same_greedy_outputs(tiny_loaded, reference_model, workload):
-    reqs, reference = workload
+    reqs, expected = workload
     engine = tight_engine(tiny_loaded, mode="predictive", predictive_margin=0.0)
     # The estimator learns from finished requests: the second pass runs on its estimates.
     first = engine.generate(reqs)
@@ -60,7 +60,7 @@ def test_predictive_mode_with_preemption_gives_the_same_greedy_outputs(tiny_load
     )
     assert engine.batcher.stats.preemptions > 0, "the tight budget never forced a preemption"
     for res in (first, second):
-        assert_greedy_equal(reference_model, reqs, res, reference)
+        assert_greedy_equal(reference_model, reqs, res, expected)
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(tiny_loaded):

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import redis
 
 from app.cli.redis_server import free_port
@@ -40,13 +41,28 @@ def test_demo_runs_the_whole_stack_and_exits_cleanly(tmp_path):
         pass
 
 
-def test_up_serves_until_ctrl_c_then_stops_everything(tmp_path):
+@pytest.fixture
+def stacks():
+    """`weightq up` processes a test starts; a failing test's stack is stopped too, not leaked."""
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(180)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def test_up_serves_until_ctrl_c_then_stops_everything(tmp_path, stacks):
     port, flower_port = free_port(), free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "up", "--port", str(port), "--flower", "--flower-port", str(flower_port)],
         cwd=ROOT, env=clean_env(tmp_path),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
+    stacks.append(proc)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while True:
@@ -101,21 +117,22 @@ def _processes_with_env(needle: str) -> list[int]:
     return found
 
 
-def _start_up(tmp_path, port: int) -> subprocess.Popen:
+def _start_up(tmp_path, port: int, stacks: list) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "up", "--port", str(port)], cwd=ROOT, env=clean_env(tmp_path),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
+    stacks.append(proc)
     for line in proc.stdout:
         if "weightq: ready" in line:
             return proc
     raise AssertionError(f"weightq up exited ({proc.wait()}) before it was ready")
 
 
-def test_sigterm_and_sighup_stop_everything_as_ctrl_c_does(tmp_path):
+def test_sigterm_and_sighup_stop_everything_as_ctrl_c_does(tmp_path, stacks):
     for sig in (signal.SIGTERM, signal.SIGHUP):
         port = free_port()
-        proc = _start_up(tmp_path / sig.name, port)
+        proc = _start_up(tmp_path / sig.name, port, stacks)
         url = (tmp_path / sig.name / "redis" / "url").read_text().strip()
         assert _processes_with_env(f"REDIS_URL={url}"), "no children found to watch"
         proc.send_signal(sig)  # as systemd, a container runtime, `timeout` or a closed terminal would
