@@ -12,9 +12,12 @@ flight and leaves a valid file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -94,10 +97,18 @@ def count_lines(path: Path) -> int:
     return n
 
 
+class Interrupted(Exception):
+    """Ctrl-C was pressed: raised at the run's next safe point, never inside a write."""
+
+
 class BatchRun:
     def __init__(self, client: Client, output: IO[str], *, max_in_flight: int, bar=None) -> None:
         self.client = client
         self.out = output
+        # Set by the SIGINT handler and checked at safe points. A KeyboardInterrupt raised wherever the
+        # signal lands can be swallowed (seen in CI: it landed in a Celery AsyncResult.__del__, where
+        # Python only prints "Exception ignored", and the run went on to the end).
+        self.stop = threading.Event()
         self.max_in_flight = max_in_flight
         self.inflight: dict[str, tuple[str, float]] = {}  # job id -> (line id, submitted at)
         self.progress = Progress()
@@ -113,8 +124,13 @@ class BatchRun:
         self.write({"id": line_id, "error": {"message": message, "field": field}})
         self._tick()
 
+    def check_stop(self) -> None:
+        if self.stop.is_set():
+            raise Interrupted
+
     def submit_lines(self, lines, skip: set[str]) -> None:
         for n, line in lines:
+            self.check_stop()
             if not line.strip():
                 continue
             error = None
@@ -148,6 +164,7 @@ class BatchRun:
 
     def collect(self, wait: bool) -> None:
         """Record every in-flight job that has ended; with wait, sleep briefly if none has."""
+        self.check_stop()
         ids = list(self.inflight)
         pipe = self.client.redis.pipeline(transaction=False)
         for job_id in ids:
@@ -169,7 +186,7 @@ class BatchRun:
             self.write({"id": line_id, "result": res})
             self._tick()
         if wait and not ended:
-            time.sleep(0.05)
+            self.stop.wait(0.05)
 
     def cancel_inflight(self) -> int:
         n = 0
@@ -201,11 +218,31 @@ def run_batch(
     with open(output_path, "a", encoding="utf-8") as out, open(input_path, encoding="utf-8", errors="replace") as f:
         run = BatchRun(client, out, max_in_flight=max_in_flight, bar=bar)
         try:
-            run.submit_lines(enumerate(f, start=1), skip)
-        except KeyboardInterrupt:
+            with _sigint_sets(run.stop):
+                run.submit_lines(enumerate(f, start=1), skip)
+        except (Interrupted, KeyboardInterrupt):
             interrupted = True
             n = run.cancel_inflight()
             print(f"\ninterrupted: cancelled {n} jobs in flight; rerun the same command to resume", file=sys.stderr)
         finally:
             bar.close()
     return run.progress.summary(), interrupted
+
+
+@contextlib.contextmanager
+def _sigint_sets(stop: threading.Event):
+    """While inside, the first Ctrl-C sets `stop`; a second one raises KeyboardInterrupt as usual."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
