@@ -6,6 +6,7 @@ import ssl
 
 from celery import Celery
 
+from .redis_conn import celery_options
 from .settings import Settings
 from .worker.boot import ConsumerLink, EngineStep
 
@@ -23,8 +24,12 @@ def tls_options(s: Settings, url: str) -> dict:
     return {"broker_use_ssl": opts, "redis_backend_use_ssl": opts}
 
 
-def celery_config(s: Settings) -> dict:
-    url = s.resolved_redis_url()
+_OWN_TRANSPORTS = {"redis": "app.transport:Transport", "sentinel": "app.transport:SentinelTransport"}
+
+
+def celery_config(s: Settings, url: str | None = None) -> dict:
+    url = url or s.resolved_redis_url()
+    sentinel = celery_options(url, s)
     return {
         "broker_url": url,
         "result_backend": url,
@@ -44,13 +49,15 @@ def celery_config(s: Settings) -> dict:
             "visibility_timeout": s.visibility_timeout_s,
             "unacked_restore_interval": s.restore_interval_s,
             "unacked_restore_throttle": 1,
+            **sentinel.get("broker_transport_options", {}),
         },
+        **({"result_backend_transport_options": sentinel["result_backend_transport_options"]} if sentinel else {}),
         **tls_options(s, url),
         "broker_connection_retry_on_startup": True,
         "broker_connection_max_retries": None,  # a Redis restart is waited out, however long
         # kombu's Redis transport without the restore-on-close that crashed the consumer after a
         # Redis crash (see app/transport.py); rediss:// and unix sockets keep kombu's own.
-        **({"broker_transport": "app.transport:Transport"} if url.startswith("redis://") else {}),
+        **({"broker_transport": own} if (own := _OWN_TRANSPORTS.get(url.split("://")[0])) else {}),
         "result_expires": s.result_ttl_s,
         "result_extended": True,
         "task_track_started": False,  # Flower sees "started" through events; skip the extra backend write

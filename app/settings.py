@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, DotEnvSettingsSource, EnvSettingsSource, SettingsConfigDict
 
 from engine import EngineConfig
@@ -70,6 +70,11 @@ class Settings(BaseSettings):
         "required"  # rediss:// URLs: required | optional | none
     )
     redis_ssl_ca_certs: str = ""  # rediss:// URLs: CA bundle (default: the system's)
+    redis_sentinel_master: str = "mymaster"  # sentinel:// URLs: the monitored group's name
+    redis_sentinel_password: str = ""  # sentinel:// URLs: the sentinels' own password, if they need one
+    # State writes wait until this many replicas have them (Redis WAIT), or "all" the replicas that are up.
+    redis_wait_replicas: Annotated[int, Field(ge=0)] | Literal["all"] = 0
+    redis_wait_timeout_ms: int = Field(1000, ge=1)  # ... this long, then the write is retried
     metrics_port: int = 0  # a worker's own Prometheus endpoint (0: off; the gateway's /metrics covers all)
     metrics_host: str = "127.0.0.1"
     # HTTP gateway

@@ -18,17 +18,35 @@ import logging
 import redis
 from kombu.transport import redis as kombu_redis
 
+from .redis_conn import FailoverAwareConnection, is_transient
+
 log = logging.getLogger(__name__)
 
 
 def _fresh_client() -> redis.Redis:
+    from .redis_conn import connect
     from .settings import Settings
 
-    return redis.Redis.from_url(Settings.from_env().resolved_redis_url(), socket_timeout=10)
+    s = Settings.from_env()
+    return connect(s.resolved_redis_url(), s, socket_timeout=10)
 
 
-class Channel(kombu_redis.Channel):
+class StaleChannelSafe:
+    """The ack and reject of a message whose channel went with an old broker connection."""
+
     do_restore = False
+
+    def _brpop_read(self, **options):
+        # BRPOP is a write: a master that lost its replicas (min-replicas-to-write) answers
+        # NOREPLICAS, and a demoted one READONLY. Celery stops its consumer for good on a ResponseError
+        # but reconnects after a connection error, which (under Sentinel) finds the new master.
+        try:
+            return super()._brpop_read(**options)
+        except redis.ResponseError as e:
+            if not is_transient(e):
+                raise
+            self.client.connection.disconnect()
+            raise redis.ConnectionError(f"the broker cannot serve BRPOP now ({e}); reconnecting") from e
 
     def basic_ack(self, delivery_tag, multiple=False):
         try:
@@ -56,5 +74,19 @@ class Channel(kombu_redis.Channel):
             pipe.execute()
 
 
+class Channel(StaleChannelSafe, kombu_redis.Channel):
+    pass
+
+
+class SentinelChannel(StaleChannelSafe, kombu_redis.SentinelChannel):
+    """The same under Sentinel, where a failover is exactly such a reconnect."""
+
+    connection_class = FailoverAwareConnection
+
+
 class Transport(kombu_redis.Transport):
     Channel = Channel
+
+
+class SentinelTransport(kombu_redis.SentinelTransport):
+    Channel = SentinelChannel

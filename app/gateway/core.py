@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from app.client import Client
 from app.metrics import WorkerCollector, live_workers
+from app.redis_conn import redacted
 from app.settings import Settings
 from tasks.contract import DEAD, HEARTBEATS, EntryType, Replay, is_end, job_key, outcome
 from tasks.schema import ID_PATTERN
@@ -62,9 +63,9 @@ class Gateway:
     # ----- plumbing -----------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
-        self.hub = StreamHub(self.url)
+        self.hub = StreamHub(self.url, self.settings)
         await self.hub.start()
-        log.info("weightq gateway: Redis %s, model %s", self.url, self.model)
+        log.info("weightq gateway: Redis %s, model %s", redacted(self.url), self.model)
         try:
             yield
         finally:

@@ -15,14 +15,16 @@ from collections.abc import AsyncIterator
 
 import redis.asyncio as aredis
 
+from app.redis_conn import connect_async
+from app.settings import Settings
 from tasks.contract import is_end, stream_key
 
 log = logging.getLogger(__name__)
 
 
 class StreamHub:
-    def __init__(self, url: str, *, block_ms: int = 20, count: int = 256) -> None:
-        self.redis = aredis.Redis.from_url(url, socket_timeout=30, health_check_interval=10)
+    def __init__(self, url: str, settings: Settings, *, block_ms: int = 20, count: int = 256) -> None:
+        self.redis: aredis.Redis = connect_async(url, settings, socket_timeout=30, health_check_interval=10)
         self.block_ms = block_ms
         self.count = count
         self._followers: dict[str, tuple[str, asyncio.Queue]] = {}  # stream key -> (last id, queue)

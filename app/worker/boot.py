@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 
-import redis
 from celery import bootsteps
 from celery.exceptions import ImproperlyConfigured
 from prometheus_client import CollectorRegistry, start_http_server
 
 from app.metrics import EngineMetrics, WorkerCollector
+from app.redis_conn import Durable, connect
 from app.settings import Settings
 from engine import Engine
 
@@ -50,14 +50,19 @@ class EngineStep(bootsteps.StartStopStep):
         # A connection for every task thread, plus the host's loops and the stream writer: redis-py 8
         # caps a pool at 100 by default and then raises instead of waiting (at a warm shutdown, 128
         # task threads requeueing at once ran out).
-        client = redis.Redis.from_url(
+        client = connect(
             settings.resolved_redis_url(),
+            settings,
             socket_timeout=30,
             health_check_interval=10,
             max_connections=settings.concurrency + 16,
         )
         publisher = StreamPublisher(
-            client, maxlen=settings.stream_maxlen, ttl_s=settings.stream_ttl_s, job_ttl_s=settings.result_ttl_s
+            client,
+            maxlen=settings.stream_maxlen,
+            ttl_s=settings.stream_ttl_s,
+            job_ttl_s=settings.result_ttl_s,
+            durable=Durable(client, settings.redis_wait_replicas, settings.redis_wait_timeout_ms),
         )
         publisher.metrics = EngineMetrics()
         engine = Engine(settings.engine_config(), sink=publisher)

@@ -7,12 +7,14 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import TypeVar
 
 import redis
 from celery.exceptions import Reject
 
+from app.redis_conn import Durable
 from app.settings import Settings
 from engine import Engine, GenerationRequest
 from tasks.contract import (
@@ -20,9 +22,9 @@ from tasks.contract import (
     DEAD,
     FAIL,
     QUEUED,
+    REQUEUE,
     RUNNING_STREAM_TTL_S,
     STARTED_HW,
-    JobState,
     cancelled_result,
     field_of,
     job_key,
@@ -65,8 +67,10 @@ class JobRunner:
     ) -> None:
         self.settings, self.engine, self.publisher = settings, engine, publisher
         self.redis, self.hostname, self.inflight, self.stopping = client, hostname, inflight, stopping
+        self.durable = Durable(client, settings.redis_wait_replicas, settings.redis_wait_timeout_ms)
         self._begin = client.register_script(BEGIN)
         self._fail = client.register_script(FAIL)
+        self._requeue_script = client.register_script(REQUEUE)
         self._lock = threading.Lock()
         self._runs: dict[str, threading.Event] = {}  # job id -> set when its run here ends
 
@@ -92,10 +96,12 @@ class JobRunner:
 
     def _run(self, job_id: str, spec: JobSpec, delivery_tag: str | None) -> dict:
         s = self.settings
+        run_id = uuid.uuid4().hex  # makes a retried BEGIN a no-op (tasks/contract.py)
         attempt, stored = self.retrying(
-            lambda: self._begin(
-                keys=[job_key(job_id), stream_key(job_id), QUEUED, STARTED_HW, DEAD],
-                args=[
+            lambda: self.durable.run(
+                self._begin,
+                [job_key(job_id), stream_key(job_id), QUEUED, STARTED_HW, DEAD],
+                [
                     s.stream_maxlen,
                     RUNNING_STREAM_TTL_S,
                     s.result_ttl_s,
@@ -104,6 +110,7 @@ class JobRunner:
                     self.hostname,
                     job_id,
                     json.dumps(cancelled_result(job_id)),
+                    run_id,
                 ],
             )
         )
@@ -145,19 +152,17 @@ class JobRunner:
         # Listed as queued since long ago: if kombu's requeue on the closing channel is lost, the next
         # two recovery sweeps (RECOVER_INTERVAL_S apart) re-send it, without waiting LOST_JOB_GRACE_S.
         since = time.time() - self.settings.lost_job_grace_s - 1
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(job_key(job_id), "state", JobState.QUEUED)
-        pipe.zadd(QUEUED, {job_id: since})
-        pipe.execute()
+        self.durable.run(self._requeue_script, [job_key(job_id), QUEUED], [since, job_id])
 
     def fail(self, job_id: str, message: str, field: str = "") -> None:
         """End the job with an error entry and state done, once (a no-op for a job already done): a
         request refused before it reached the engine (`field` names why), or a run that failed."""
         s = self.settings
         self.retrying(
-            lambda: self._fail(
-                keys=[job_key(job_id), stream_key(job_id), QUEUED],
-                args=[s.stream_maxlen, s.stream_ttl_s, s.result_ttl_s, message, field, job_id],
+            lambda: self.durable.run(
+                self._fail,
+                [job_key(job_id), stream_key(job_id), QUEUED],
+                [s.stream_maxlen, s.stream_ttl_s, s.result_ttl_s, message, field, job_id],
             )
         )
 
@@ -168,7 +173,7 @@ class JobRunner:
         while True:
             try:
                 return op()
-            except (redis.ConnectionError, redis.TimeoutError) as e:
+            except (redis.ConnectionError, redis.TimeoutError) as e:  # NotReplicated included
                 if time.monotonic() > deadline:
                     raise
                 log.warning("Redis unavailable (%s); retrying", e)

@@ -19,6 +19,7 @@ from typing import Any
 
 import redis
 
+from app.redis_conn import is_transient
 from app.settings import Settings
 from engine import Engine
 from tasks.contract import CANCEL_CHANNEL, HEARTBEATS
@@ -35,8 +36,11 @@ def run_guarded(name: str, loop: Callable[[], None], stop: threading.Event) -> t
         while not stop.is_set():
             try:
                 loop()
-            except Exception:
-                log.exception("the %s loop failed; restarting it", name)
+            except Exception as e:
+                if is_transient(e):  # Redis restarting or failing over: one line, not a traceback
+                    log.warning("the %s loop: Redis unavailable (%s); restarting it", name, e)
+                else:
+                    log.exception("the %s loop failed; restarting it", name)
                 stop.wait(1.0)
 
     t = threading.Thread(target=run, name=f"weightq-{name}", daemon=True)

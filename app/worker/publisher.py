@@ -13,6 +13,7 @@ import uuid
 import redis
 
 from app.metrics import EngineMetrics
+from app.redis_conn import Durable, NotReplicated, is_transient
 from engine import Event, FinishEvent
 from tasks.contract import (
     WRITE_BATCH,
@@ -36,8 +37,11 @@ class StreamPublisher:
     batch to a writer thread, so Redis round trips overlap the next forward pass.
     """
 
-    def __init__(self, client: redis.Redis, *, maxlen: int, ttl_s: int, job_ttl_s: int = 86_400) -> None:
+    def __init__(
+        self, client: redis.Redis, *, maxlen: int, ttl_s: int, job_ttl_s: int = 86_400, durable: Durable | None = None
+    ) -> None:
         self.client = client
+        self.durable = durable or Durable(client, 0, 0)
         self.maxlen = maxlen
         self.ttl_s = ttl_s
         self.job_ttl_s = job_ttl_s
@@ -86,9 +90,13 @@ class StreamPublisher:
                 try:
                     self._apply(self._seq, entries)
                     break
-                except redis.RedisError:
-                    log.exception("writing %d stream entries failed; retrying", len(entries))
-                    time.sleep(0.5)
+                except redis.RedisError as e:
+                    if is_transient(e):  # Redis restarting or failing over: one line, not a traceback
+                        log.warning("writing %d stream entries: %s; retrying", len(entries), e)
+                        time.sleep(0.1 if isinstance(e, NotReplicated) else 0.5)
+                    else:
+                        log.exception("writing %d stream entries failed; retrying", len(entries))
+                        time.sleep(0.5)
             for ev, _ in batch:
                 if isinstance(ev, FinishEvent) and (written := self._finals.pop(ev.request_id, None)):
                     written.set()
@@ -143,4 +151,4 @@ class StreamPublisher:
                 args += [k, v]
             for k, v in (state or {}).items():
                 args += [k, v]
-        self._batch_script(keys=keys, args=args, client=self.client)
+        self.durable.run(self._batch_script, keys, args)

@@ -161,3 +161,23 @@ def test_worker_restarts_under_load_sigterm_then_sigkill(service):
     assert r.llen("weightq:dead") == 0
     attempts = [int(r.hget(job_key(job_id), "attempt")) for job_id in asked]
     assert max(attempts) >= 2  # the restarts hit jobs that were running
+
+
+def test_a_retried_begin_is_not_another_attempt(service):
+    """A BEGIN whose reply was lost (or whose write replicas did not confirm) is sent again: the same
+    run must not count twice, or retries alone would dead-letter a healthy job."""
+    from tasks.contract import BEGIN, DEAD, QUEUED, STARTED_HW
+
+    r = redis.Redis.from_url(service.url)
+    begin = r.register_script(BEGIN)
+    service.client.submit("once", max_new_tokens=4)  # no worker: the job stays queued
+    job_id = r.zrange(QUEUED, 0, 0)[0].decode()
+
+    def run(run_id: str) -> int:
+        keys = [job_key(job_id), stream_key(job_id), QUEUED, STARTED_HW, DEAD]
+        return begin(keys=keys, args=[1000, 60, 60, 3, time.time(), "w@test", job_id, "{}", run_id])[0]
+
+    assert [run("run-a") for _ in range(5)] == [1] * 5
+    assert run("run-b") == 2  # a redelivery is a new attempt
+    types = [f[b"type"] for _, f in r.xrange(stream_key(job_id))]
+    assert types == [b"attempt", b"attempt"]

@@ -1,0 +1,210 @@
+"""How every part of weightq opens Redis, so that one REDIS_URL serves a plain server, TLS, a unix
+socket or a Sentinel-managed group alike.
+
+Sentinel URLs are kombu's and Celery's own form, so the same value configures the broker, the result
+backend and weightq's clients:
+
+    sentinel://[:password@]host:26379[/db][;sentinel://host2:26379...]   (REDIS_SENTINEL_MASTER names the group)
+
+The password is the data servers'; REDIS_SENTINEL_PASSWORD, if the sentinels need one. A connection
+asks the sentinels for the master when it (re)connects, so after a failover each client finds the new
+master at its next connection error, or at a write the replicas did not confirm (see `durable`).
+
+Replication is asynchronous: a write the master acknowledged can be lost if it fails over before a
+replica has it. REDIS_WAIT_REPLICAS=N makes weightq's own state writes (a job's submission, its start,
+every batch of stream entries, its end) wait until N replicas have them (Redis WAIT); a write they
+do not confirm in time is retried, on the master the sentinels name then. The writes are idempotent,
+so a retry never doubles anything (README, "High availability": what each setting closes, measured).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote, urlsplit
+
+import redis
+import redis.asyncio as aredis
+from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+from redis.sentinel import Sentinel, SentinelManagedConnection
+
+if TYPE_CHECKING:
+    from redis.commands.core import Script
+
+    from .settings import Settings
+
+
+class NotReplicated(redis.ConnectionError):
+    """The master applied a write but fewer than REDIS_WAIT_REPLICAS replicas confirmed it in time.
+    A ConnectionError, so that every loop that waits out a Redis outage retries it."""
+
+
+# Replies of a server that is not (or no longer) a writable master with its replicas: a failover in
+# progress, or a restart still loading its data. Worth retrying, as a dropped connection is.
+# Inside a script the reply comes wrapped ("Error running script ...: -NOREPLICAS ..."): search for it.
+_TRANSIENT_REPLY = re.compile(r"(?:^|-)(?:NOREPLICAS|READONLY|LOADING|MASTERDOWN|UNBLOCKED|TRYAGAIN) ")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A Redis error that a retry (on a fresh connection) can get past."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:  # kombu and Celery wrap the redis-py error
+        seen.add(id(exc))
+        if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError)):
+            return True
+        if isinstance(exc, redis.ResponseError) and _TRANSIENT_REPLY.search(str(exc)):
+            return True
+        if type(exc).__module__.startswith("kombu") and "OperationalError" in type(exc).__name__:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+class FailoverAwareConnection(SentinelManagedConnection):
+    """Reads a "not a writable master now" reply (NOREPLICAS, READONLY, ...) as a lost connection:
+    the command was refused, not applied, so the reconnect (to whichever server the sentinels name
+    now) and retry that redis-py, kombu and Celery do for a lost connection are right for it, where a
+    ResponseError would stop Celery's consumer for good."""
+
+    def read_response(self, *args, **kwargs):
+        try:
+            return super().read_response(*args, **kwargs)
+        except redis.ResponseError as e:
+            if not is_transient(e):
+                raise
+            self.disconnect()
+            raise NotReplicated(f"{e} (reconnecting through the sentinels)") from e
+
+
+@dataclass(frozen=True)
+class SentinelTarget:
+    sentinels: tuple[tuple[str, int], ...]
+    db: int
+    username: str | None
+    password: str | None
+
+
+def redacted(url: str) -> str:
+    """The URL with any password replaced, for logs."""
+    return re.sub(r"(://[^:/@;]*:)[^@/;]+@", r"\1***@", url)
+
+
+def is_sentinel(url: str) -> bool:
+    return url.startswith("sentinel://")
+
+
+def parse_sentinel(url: str) -> SentinelTarget:
+    """Every `sentinel://host:port` part of a `;`-separated URL; db and credentials from the first
+    part that has them (kombu reads them the same way)."""
+    hosts: list[tuple[str, int]] = []
+    db, username, password = 0, None, None
+    for part in filter(None, (p.strip() for p in url.split(";"))):
+        u = urlsplit(part)
+        if u.scheme != "sentinel" or not u.hostname:
+            raise ValueError(f"REDIS_URL: {part!r} is not sentinel://host:port (in {url!r})")
+        hosts.append((u.hostname, u.port or 26379))
+        if u.path.strip("/"):
+            db = int(u.path.strip("/"))
+        username = username or (unquote(u.username) if u.username else None)
+        password = password or (unquote(u.password) if u.password else None)
+    if not hosts:
+        raise ValueError(f"REDIS_URL: no sentinel in {url!r}")
+    return SentinelTarget(tuple(hosts), db, username, password)
+
+
+def _sentinel_kwargs(settings: Settings) -> dict:
+    kw: dict[str, Any] = {"socket_timeout": 2.0, "socket_connect_timeout": 2.0}
+    if settings.redis_sentinel_password:
+        kw["password"] = settings.redis_sentinel_password
+    return kw
+
+
+def connect(url: str, settings: Settings, **kw) -> redis.Redis:
+    """A client of the master (whichever server that is now, under Sentinel)."""
+    if not is_sentinel(url):
+        return redis.Redis.from_url(url, **kw)
+    return _master_for(Sentinel, url, settings, connection_class=FailoverAwareConnection, **kw)
+
+
+def connect_async(url: str, settings: Settings, **kw) -> aredis.Redis:
+    """The asyncio client of the master (the gateway's stream reads)."""
+    if not is_sentinel(url):
+        return aredis.Redis.from_url(url, **kw)
+    return _master_for(AsyncSentinel, url, settings, **kw)
+
+
+def _master_for(sentinel_class, url: str, settings: Settings, **kw):
+    t = parse_sentinel(url)
+    sentinel = sentinel_class(list(t.sentinels), sentinel_kwargs=_sentinel_kwargs(settings))
+    return sentinel.master_for(settings.redis_sentinel_master, db=t.db, username=t.username, password=t.password, **kw)
+
+
+def celery_options(url: str, settings: Settings) -> dict:
+    """Broker and result-backend options that a Sentinel URL needs (none for the others)."""
+    if not is_sentinel(url):
+        return {}
+    opts: dict[str, Any] = {"master_name": settings.redis_sentinel_master}
+    if settings.redis_sentinel_password:
+        opts["sentinel_kwargs"] = {"password": settings.redis_sentinel_password}
+    return {"broker_transport_options": opts, "result_backend_transport_options": dict(opts)}
+
+
+class Durable:
+    """Runs a state-changing script and, when REDIS_WAIT_REPLICAS asks for it, waits on the same
+    connection (WAIT counts the writes of its own connection) until the replicas have it.
+
+    "all" waits for every replica the sentinels see up (a plain URL: every replica connected now). In a
+    failover only one replica is promoted, so a write all of them hold survives it whichever is chosen;
+    a write that only some hold is refused here and retried on the master the sentinels name next.
+    A replica that dies stops counting once the sentinels mark it down."""
+
+    REFRESH_S = 2.0  # how often "all" recounts the replicas (and after each unconfirmed write)
+
+    def __init__(self, client: redis.Redis, replicas: int | str, timeout_ms: int) -> None:
+        self.client, self.timeout_ms = client, timeout_ms
+        self.all = replicas == "all"
+        self.replicas = 0 if self.all else int(replicas)
+        self._counted_at = float("-inf")
+
+    def needed(self) -> int:
+        if self.all and time.monotonic() - self._counted_at > self.REFRESH_S:
+            self.replicas = self._count_replicas()
+            self._counted_at = time.monotonic()
+        return self.replicas
+
+    def _count_replicas(self) -> int:
+        pool = self.client.connection_pool
+        manager = getattr(pool, "sentinel_manager", None)
+        try:
+            if manager is not None:
+                return len(manager.discover_slaves(pool.service_name))
+            return int(self.client.info("replication").get("connected_slaves", 0))
+        except redis.RedisError:
+            return max(self.replicas, 1)  # cannot tell now: ask for at least one, retry counting soon
+
+    def run(self, script: Script, keys: list, args: list) -> Any:
+        needed = self.needed()
+        try:
+            if needed <= 0:
+                return script(keys=keys, args=args, client=self.client)
+            pipe = self.client.pipeline(transaction=False)
+            script(keys=keys, args=args, client=pipe)
+            pipe.execute_command("WAIT", needed, self.timeout_ms)
+            result, acked = pipe.execute()
+        except redis.ResponseError as e:  # NOREPLICAS, READONLY...: retried as a lost connection is
+            if not is_transient(e):
+                raise
+            self._reconnect()
+            raise NotReplicated(str(e)) from e
+        if acked < needed:
+            self._reconnect()
+            raise NotReplicated(f"a write reached {acked} of the {needed} replicas REDIS_WAIT_REPLICAS asks for")
+        return result
+
+    def _reconnect(self) -> None:
+        # Most likely a failover: this server is no longer the master, or lost its replicas. Idle
+        # connections reconnect through the sentinels (with a plain URL, to the same server: no harm).
+        self._counted_at = float("-inf")
+        self.client.connection_pool.disconnect(inuse_connections=False)

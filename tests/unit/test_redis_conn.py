@@ -1,0 +1,63 @@
+"""REDIS_URL forms and the failover-related settings (the real Sentinel runs are in tests/service)."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+from pydantic import ValidationError
+
+from app.celery import celery_config
+from app.redis_conn import NotReplicated, is_transient, parse_sentinel
+from app.settings import Settings
+
+URL = "sentinel://:s3cret@10.0.0.1:26379/2;sentinel://10.0.0.2;sentinel://10.0.0.3:26380"
+
+
+def test_sentinel_urls_are_kombus_form():
+    t = parse_sentinel(URL)
+    assert t.sentinels == (("10.0.0.1", 26379), ("10.0.0.2", 26379), ("10.0.0.3", 26380))
+    assert (t.db, t.password, t.username) == (2, "s3cret", None)
+    with pytest.raises(ValueError, match="REDIS_URL"):
+        parse_sentinel("sentinel://a:1;redis://b:2")
+
+
+def test_celery_gets_the_master_name_and_weightqs_transport():
+    s = Settings(redis_url=URL, redis_sentinel_master="jobs", redis_sentinel_password="pw")
+    conf = celery_config(s)
+    assert conf["broker_url"] == conf["result_backend"] == URL
+    assert conf["broker_transport"] == "app.transport:SentinelTransport"
+    assert conf["broker_transport_options"]["master_name"] == "jobs"
+    assert conf["broker_transport_options"]["visibility_timeout"] == s.visibility_timeout_s
+    assert conf["result_backend_transport_options"] == {"master_name": "jobs", "sentinel_kwargs": {"password": "pw"}}
+    plain = celery_config(Settings(redis_url="redis://h:1/0"))
+    assert plain["broker_transport"] == "app.transport:Transport" and "result_backend_transport_options" not in plain
+
+
+def test_replies_of_a_failing_over_master_are_transient_and_others_are_not():
+    wrapped = "Error running script (call to f_1): @user_script:1: -NOREPLICAS Not enough good replicas to write."
+    assert is_transient(redis.ResponseError(wrapped))
+    assert is_transient(redis.ResponseError("NOREPLICAS Not enough good replicas to write."))
+    assert is_transient(redis.ReadOnlyError("You can't write against a read only replica."))
+    assert is_transient(NotReplicated("a write reached 0 of 1"))
+    try:
+        raise RuntimeError("wrapped by a library") from redis.ConnectionError("gone")
+    except RuntimeError as e:
+        assert is_transient(e)
+    assert not is_transient(redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"))
+    assert not is_transient(ValueError("NOREPLICAS in a message that is not Redis's"))
+
+
+def test_wait_replicas_is_a_count_or_all_and_errors_name_the_variable():
+    assert Settings.from_env({"REDIS_WAIT_REPLICAS": "all"}).redis_wait_replicas == "all"
+    assert Settings.from_env({"REDIS_WAIT_REPLICAS": "2"}).redis_wait_replicas == 2
+    for bad in ("-1", "most"):
+        with pytest.raises((ValueError, ValidationError), match="REDIS_WAIT_REPLICAS"):
+            Settings.from_env({"REDIS_WAIT_REPLICAS": bad})
+
+
+def test_logged_urls_hide_passwords():
+    from app.redis_conn import redacted
+
+    assert redacted(URL) == URL.replace("s3cret", "***")
+    assert redacted("rediss://user:pw@h:1/0") == "rediss://user:***@h:1/0"
+    assert redacted("redis://h:6379/0") == "redis://h:6379/0"
