@@ -42,10 +42,11 @@ class Settings(BaseSettings):
     batcher_mode: Literal["auto", "worst_case", "predictive"] = (
         "auto"  # predictive on the paged runner, worst_case on the padded one; or either
     )
-    runner: Literal["auto", "paged", "padded"] = (
-        "auto"  # paged | padded | auto (padded for T5/BART and models without the attention interface)
+    runner: Literal["auto", "paged", "padded", "simulated"] = (
+        "auto"  # paged | padded | auto (padded for T5/BART ...) | simulated (a measuring tool: engine/simulated.py)
     )
     compile: Literal["auto", "on", "off"] = "auto"  # torch.compile the paged runner (auto: on for CPU)
+    sim_step_cost: str = ""  # RUNNER=simulated (a measuring tool): "fixed_s,per_token_s,per_kv_token_s"
     torch_threads: int = 0  # the engine's intra-op threads; 0: torch's default (one per core)
     concurrency: int = 128  # task threads per worker: the most requests one worker holds at once
     task_events: bool = True  # Flower's per-task view; off saves ~a third of the consumer's work per job
@@ -131,6 +132,7 @@ class Settings(BaseSettings):
             gpu_memory_fraction=self.gpu_memory_fraction,
             mode=self.batcher_mode,  # type: ignore[arg-type]
             runner=self.runner,  # type: ignore[arg-type]
+            sim_step_cost=self.sim_step_cost,
             compile=self.compile,  # type: ignore[arg-type]
             torch_threads=self.torch_threads,
         )

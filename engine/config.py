@@ -17,7 +17,9 @@ class EngineConfig:
     runner: "paged" (KV blocks, packed steps) for decoder-only models on transformers' attention
         interface; "padded" (left-padded batch, the model's own cache) for everything else, e.g.
         T5/BART; "auto" picks per model. The padded runner's weight is rows x padded length, and its
-        budget, unless set, comes from measuring its memory per weight unit at start-up.
+        budget, unless set, comes from measuring its memory per weight unit at start-up. "simulated" is
+        a measuring tool (engine/simulated.py): real batcher, blocks, sampling and detokenization
+        around a modelled device time (sim_step_cost) instead of the model's forward.
     compile: torch.compile the paged runner's hot path (decode attention reading the KV pool in
         place, and the model's forward with dynamic token counts); compiled and warmed up at
         start-up (logged). "auto" turns it on where it was measured to win (CPU, paged runner), unless
@@ -35,7 +37,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     attention: Literal["auto", "sdpa", "flash"] = "auto"
-    runner: Literal["auto", "paged", "padded"] = "auto"
+    runner: Literal["auto", "paged", "padded", "simulated"] = "auto"
     compile: Literal["auto", "on", "off"] = "auto"
     torch_threads: int = 0
     block_size: int = 0
@@ -53,4 +55,5 @@ class EngineConfig:
     max_wait_s: float = 30.0
     seed: int = 0
     allow_download: bool = True  # False: a hub id must already be in the local cache
+    sim_step_cost: str = ""  # runner="simulated": "fixed_s,per_token_s,per_kv_token_s" (default: StepCost())
     check_invariants: bool = False  # tests: verify the KV pool and the budget after every step

@@ -59,7 +59,33 @@ class Runner(Protocol):
         """Assert the runner's own accounting agrees with the batcher's (tests and debugging)."""
 
 
-class ModelRunner:
+class PagedMemory:
+    """The memory side of a runner on a KVCache (the paged runner, the simulated device); the padded
+    runner has the same methods over its own rows."""
+
+    cache: KVCache
+
+    def ensure(self, seq: HasTokens, tokens: int) -> None:
+        """Give `seq` blocks for `tokens` tokens (the batcher guarantees the pool suffices)."""
+        if tokens > len(seq.block_table) * self.cache.block_size:
+            self.cache.ensure(seq.block_table, tokens)
+
+    def release(self, seq: HasTokens) -> None:
+        self.cache.release(seq.block_table)
+
+    def memory(self) -> dict:
+        c = self.cache
+        return {"kv_blocks_used": c.used_blocks, "kv_blocks_total": c.num_blocks, "block_size": c.block_size}
+
+    def check(self, seqs: list, budget: int) -> None:
+        """Invariants after a step (tests): every block held by exactly the live sequences."""
+        held = sum(len(s.block_table) for s in seqs)
+        assert held == self.cache.used_blocks, f"blocks held {held} != used {self.cache.used_blocks}"
+        for seq in seqs:
+            assert len(seq.block_table) * self.cache.block_size >= seq.sched.prefilled, f"{seq.id}: KV beyond blocks"
+
+
+class ModelRunner(PagedMemory):
     can_isolate = True  # each request's rows are its own: a failed step is retried one by one
 
     def __init__(
@@ -90,26 +116,6 @@ class ModelRunner:
         self.device = device
         self.model_s = 0.0  # time inside the model's forward (the rest of a step is overhead)
         self._ar = torch.arange(4096)
-
-    # ----- memory (the engine's view; the padded runner has the same methods) ---------------------
-    def ensure(self, seq: HasTokens, tokens: int) -> None:
-        """Give `seq` blocks for `tokens` tokens (the batcher guarantees the pool suffices)."""
-        if tokens > len(seq.block_table) * self.cache.block_size:
-            self.cache.ensure(seq.block_table, tokens)
-
-    def release(self, seq: HasTokens) -> None:
-        self.cache.release(seq.block_table)
-
-    def memory(self) -> dict:
-        c = self.cache
-        return {"kv_blocks_used": c.used_blocks, "kv_blocks_total": c.num_blocks, "block_size": c.block_size}
-
-    def check(self, seqs: list, budget: int) -> None:
-        """Invariants after a step (tests): every block held by exactly the live sequences."""
-        held = sum(len(s.block_table) for s in seqs)
-        assert held == self.cache.used_blocks, f"blocks held {held} != used {self.cache.used_blocks}"
-        for seq in seqs:
-            assert len(seq.block_table) * self.cache.block_size >= seq.sched.prefilled, f"{seq.id}: KV beyond blocks"
 
     def _arange(self, n: int) -> torch.Tensor:
         if n > len(self._ar):

@@ -11,6 +11,7 @@ from typing import TypeVar
 import torch
 
 from batcher import Batcher, BatcherConfig, ConfigError
+from batcher.sim.cost import StepCost
 
 from .attention import register
 from .config import EngineConfig
@@ -19,6 +20,7 @@ from .kv_cache import KVCache, derive_capacity
 from .models import LoadedModel, choose_runner, load_model, resolve_device
 from .padded import PaddedRunner, measure_padded
 from .runner import ModelRunner, Runner
+from .simulated import SIMULATED_GEOMETRY, SimulatedRunner
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -78,13 +80,15 @@ def build(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
             dtype=cfg.dtype,
             attn_implementation=attn_name,
             allow_download=cfg.allow_download,
-            runner=cfg.runner,
+            runner="paged" if cfg.runner == "simulated" else cfg.runner,
         )
-        kind = choose_runner(lm.model.config, cfg.runner)
+        kind = "simulated" if cfg.runner == "simulated" else choose_runner(lm.model.config, cfg.runner)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     max_total = min(cfg.max_total_tokens or lm.context_limit, lm.context_limit)
     max_input = min(cfg.max_input_length or max_total - 1, max_total - 1)
+    if kind == "simulated":
+        return _build_simulated(cfg, lm, max_total, max_input)
     if kind == "padded":
         if loaded is not None:
             lm.model.set_attn_implementation("sdpa" if lm.model._supports_sdpa else "eager")
@@ -121,6 +125,30 @@ def wants_compile(setting: str, device: torch.device, backend: str) -> bool:
     if setting == "on":
         return True
     return device.type == "cpu" and not torch._dynamo.config.disable
+
+
+def _build_simulated(cfg: EngineConfig, lm: LoadedModel, max_total: int, max_input: int) -> EngineParts:
+    """The simulated device (engine/simulated.py): the paged runner's batcher and block allocator, the
+    model only for its tokenizer, vocabulary and limits. Its KV capacity, unless set, is what the
+    model's real KV would fit in cpu_kv_bytes."""
+    block = cfg.block_size or 16
+    weight = cfg.max_batch_weight
+    if weight is None and cfg.max_batch_size:
+        weight = cfg.max_batch_size * -(-max_total // block) * block
+    cpu = torch.device("cpu")
+    blocks, why = derive_capacity(
+        lm.geometry, block, cpu, max_batch_weight=weight, cpu_kv_bytes=cfg.cpu_kv_bytes, gpu_memory_fraction=1.0
+    )
+    try:
+        cost = StepCost.parse(cfg.sim_step_cost) if cfg.sim_step_cost else StepCost()
+    except ValueError as e:
+        raise ConfigError(f"sim_step_cost: {e}") from None
+    vocab = int(lm.model.get_output_embeddings().weight.shape[0])
+    runner = SimulatedRunner(KVCache(SIMULATED_GEOMETRY, blocks, block, cpu), vocab, cost, avoid=lm.eos_token_ids)
+    lm.runner = "simulated"
+    log.warning("RUNNER=simulated: a measuring tool, not a model (%s)", cost)
+    batcher = make_batcher(cfg, blocks * block, max_total, f"simulated device; KV: {why}", block_size=block)
+    return EngineParts("simulated", lm, runner, batcher, why, max_input)
 
 
 def _build_padded(cfg: EngineConfig, lm: LoadedModel, max_total: int, max_input: int) -> EngineParts:

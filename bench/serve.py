@@ -1,0 +1,242 @@
+"""The path a web app uses, end to end: N concurrent streaming OpenAI requests through the gateway,
+Celery and Redis to a worker, against the same engine in-process and vLLM's own server.
+
+    python -m bench.serve --json                 # 256 concurrent requests
+    python -m bench.serve --n 256,1024 --json
+
+Workload: bench.engine's (prompts of 16-256 random token ids, 8-128 new tokens, greedy, EOS ignored,
+fixed seed), sent as `/v1/completions` with `prompt` as token ids and `stream: true`, all at once.
+- serve: a real stack (the embedded redis-server, one `weightq worker` with CONCURRENCY >= N, the
+  gateway), started once; each round drives every request from one asyncio client in this process.
+- inproc: `Engine.generate()` in this process on the same requests (the stack idle meanwhile).
+- vllm: vLLM's OpenAI server on the same model directory and requests, when the peer venv exists
+  (`make peer`); same client.
+With --runner simulated both sides run the simulated device (engine/simulated.py; no vLLM) and report
+device_busy_pct: modelled device time / wall time (the stack: from the first request sent to the last
+token received, device time from the worker's heartbeats; in-process: the generate() call).
+Rounds alternate serve / inproc / vllm; figures are medians over rounds. Reported per system: output
+tokens/s (tokens of requests that finished / wall time from the first request sent to the last
+token received), TTFT p50/p99 (request sent -> first token), inter-token p50/p99 (gaps between a
+request's streamed chunks), errors; and the ratios serve / inproc and serve / vllm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from app.cli.processes import GatewayProcess, WorkerProcess
+from app.cli.redis_server import EmbeddedRedis, free_port
+from batcher.sim.simulator import percentile
+from bench.engine import requests, workload
+from bench.peer_client import omp_bind, peer_problem, peer_python
+from engine import Engine, EngineConfig
+from engine.builtin import builtin_path
+
+BUDGET = 65536  # KV tokens: every request of 256 fits at once; 1,024 queue behind it on both sides
+
+
+async def _one(client: httpx.AsyncClient, model: str, ids: list[int], n: int) -> dict:
+    body = {"model": model, "prompt": ids, "max_tokens": n, "temperature": 0, "stream": True, "ignore_eos": True}
+    sent = time.perf_counter()
+    arrivals: list[float] = []
+    finish = None
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                choices = json.loads(line[6:]).get("choices") or []
+                if choices:
+                    arrivals.append(time.perf_counter())
+                    finish = choices[0].get("finish_reason") or finish
+    except httpx.HTTPError as e:
+        return {"error": repr(e)}
+    if finish != "length" or not arrivals:
+        return {"error": f"finish_reason {finish!r} after {len(arrivals)} chunks"}
+    return {"sent": sent, "arrivals": arrivals, "tokens": n}
+
+
+async def _drive(base: str, model: str, work) -> list[dict]:
+    limits = httpx.Limits(max_connections=len(work) + 8, max_keepalive_connections=len(work) + 8)
+    async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(900, connect=60), limits=limits) as c:
+        return await asyncio.gather(*(_one(c, model, ids, n) for ids, n in work))
+
+
+def drive(base: str, model: str, work) -> dict:
+    """One round of every request at once; the figures of that round."""
+    results = asyncio.run(_drive(base, model, work))
+    ok = [r for r in results if "error" not in r]
+    errors = [r["error"] for r in results if "error" in r]
+    if not ok:
+        return {"tok_s": 0.0, "errors": len(errors), "first_error": errors[0] if errors else None}
+    start = min(r["sent"] for r in ok)
+    end = max(r["arrivals"][-1] for r in ok)
+    ttft = [r["arrivals"][0] - r["sent"] for r in ok]
+    gaps = [b - a for r in ok for a, b in zip(r["arrivals"], r["arrivals"][1:], strict=False)]
+    return {
+        "tok_s": sum(r["tokens"] for r in ok) / (end - start),
+        "wall_s": end - start,
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "itl_p50_ms": percentile(gaps, 50) * 1000 if gaps else None,
+        "itl_p99_ms": percentile(gaps, 99) * 1000 if gaps else None,
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
+    }
+
+
+def inproc(engine: Engine, work) -> dict:
+    reqs = requests(work, f"r{time.monotonic_ns()}-")
+    device_before = engine.stats()["forward_s"]
+    t0 = time.perf_counter()
+    outs = engine.generate(reqs)
+    wall = time.perf_counter() - t0
+    busy = (engine.stats()["forward_s"] - device_before) / wall
+    return {"tok_s": sum(len(o.token_ids) for o in outs) / wall, "device_busy_pct": round(100 * busy, 2)}
+
+
+def served(worker: WorkerProcess, base: str, model: str, work) -> dict:
+    """One round through the stack, with the worker's device time over it (from its heartbeats: the
+    modelled device time on the simulated runner, the forward passes' on a real one)."""
+    before = worker.wait_stats(lambda s: s.get("running", 1) == 0 and s.get("active_jobs", 1) == 0, timeout=300)
+    figures = drive(base, model, work)
+    goal = before["finished"] + len(work) - figures["errors"]
+    after = worker.wait_stats(lambda s: s.get("finished", 0) >= goal, timeout=300)
+    if figures.get("wall_s"):
+        figures["device_busy_pct"] = round(100 * (after["forward_s"] - before["forward_s"]) / figures["wall_s"], 2)
+    return figures
+
+
+class VllmServer:
+    """vLLM's OpenAI server from the peer venv, on the built-in tiny model's directory."""
+
+    def __init__(self, python: Path, model_dir: Path, threads: int, log: Path) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.model = str(model_dir)
+        # vLLM's CPU KV space is in GiB; the tiny model's KV per token is small, so 1 GiB holds far
+        # more than the budget: the server is not memory-bound here, as ours is not.
+        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--dtype", "float32",
+               "--max-model-len", "2048", "--port", str(self.port)]  # fmt: skip
+        # The same intra-op threads as our worker (torch's default: one per core), bound as bench.peer does.
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": omp_bind(threads)}
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(cmd, cwd=tempfile.gettempdir(), env=env, stdout=out, stderr=out)
+        self.log = log
+
+    def wait_ready(self, timeout: float = 600) -> VllmServer:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM's server exited ({self.proc.returncode}); see {self.log}")
+            try:
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"vLLM's server did not answer in {timeout} s; see {self.log}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def medians(rounds: list[dict]) -> dict:
+    keys = [k for k in rounds[0] if isinstance(rounds[0][k], (int, float)) and k != "errors"]
+    out = {k: round(statistics.median(r[k] for r in rounds if r.get(k) is not None), 3) for k in keys}
+    out["errors"] = sum(r.get("errors", 0) for r in rounds)
+    firsts = [r["first_error"] for r in rounds if r.get("first_error")]
+    if firsts:
+        out["first_error"] = firsts[0]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", default="256", help="concurrent requests per case, comma-separated (default 256)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--peer-python", default=None, help="the peer venv's python (default .venv-peer/bin/python)")
+    ap.add_argument("--no-peer", action="store_true", help="skip vLLM even if the peer venv exists")
+    ap.add_argument(
+        "--runner", default="auto", choices=["auto", "simulated"], help="simulated: the modelled device (no vLLM)"
+    )
+    ap.add_argument("--sim-step-cost", default="", help="SIM_STEP_COST for --runner simulated")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    sizes = [int(x) for x in args.n.split(",")]
+    python = peer_python(args.peer_python)
+    problem = "--no-peer" if args.no_peer else peer_problem(python)
+    if args.runner == "simulated":
+        problem = "the simulated device has no vLLM counterpart"
+    runner = {"runner": args.runner, "sim_step_cost": args.sim_step_cost}
+    out: dict = {
+        "bench": "serve",
+        "runner": args.runner,
+        "budget_kv_tokens": BUDGET,
+        "rounds": args.rounds,
+        "cases": [],
+    }
+    if problem:
+        out["vllm_skipped"] = problem
+    home = Path(tempfile.mkdtemp(prefix="weightq-serve-"))
+    server = EmbeddedRedis(home / "redis", appendfsync="everysec")
+    url = server.start()
+    worker = WorkerProcess(url, "serve@bench", home, max_batch_weight=BUDGET, concurrency=max(sizes) + 64, **runner)
+    gateway = GatewayProcess(url, home)
+    vllm = None
+    try:
+        worker.wait_ready()
+        gateway.wait_ready()
+        engine = Engine(EngineConfig(max_batch_weight=BUDGET, **runner))
+        model = "builtin:tiny"
+        if not problem:
+            vllm = VllmServer(python, builtin_path("tiny"), torch.get_num_threads(), home / "vllm.log").wait_ready()
+        for n in sizes:
+            work = workload(n, args.seed)
+            warm = work[: min(16, n)]
+            drive(gateway.base, model, warm)  # warm-up: compilation, connections
+            inproc(engine, warm)
+            if vllm:
+                drive(vllm.base, vllm.model, warm)
+            serve_r, inproc_r, vllm_r = [], [], []
+            for _ in range(args.rounds):
+                serve_r.append(served(worker, gateway.base, model, work))
+                inproc_r.append(inproc(engine, work))
+                if vllm:
+                    vllm_r.append(drive(vllm.base, vllm.model, work))
+            case = {"n": n, "serve": medians(serve_r), "inproc": medians(inproc_r)}
+            case["serve_over_inproc"] = round(case["serve"]["tok_s"] / case["inproc"]["tok_s"], 3)
+            if vllm:
+                case["vllm"] = medians(vllm_r)
+                case["serve_over_vllm"] = round(case["serve"]["tok_s"] / case["vllm"]["tok_s"], 3)
+            out["cases"].append(case)
+    finally:
+        if vllm:
+            vllm.stop()
+        gateway.stop()
+        worker.stop()
+        worker.kill()
+        server.stop()
+    print(json.dumps(out, indent=1 if args.json else None))
+
+
+if __name__ == "__main__":
+    main()
