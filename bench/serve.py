@@ -55,13 +55,20 @@ async def _one(client: httpx.AsyncClient, model: str, ids: list[int], n: int) ->
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                choices = json.loads(line[6:]).get("choices") or []
-                if choices:
-                    arrivals.append(time.perf_counter())
-                    finish = choices[0].get("finish_reason") or finish
+            buf = b""
+            async for part in r.aiter_bytes():  # SSE lines end at b"\n" only (not at U+2028 and kin)
+                buf += part
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    try:
+                        choices = json.loads(line[6:]).get("choices") or []
+                    except ValueError as e:
+                        return {"error": f"bad JSON ({e}): {line[:300]!r}"}
+                    if choices:
+                        arrivals.append(time.perf_counter())
+                        finish = choices[0].get("finish_reason") or finish
     except httpx.HTTPError as e:
         return {"error": repr(e)}
     if finish != "length" or not arrivals:
