@@ -19,10 +19,12 @@ so a retry never doubles anything (README, "High availability": what each settin
 
 from __future__ import annotations
 
+import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import redis
@@ -34,6 +36,10 @@ if TYPE_CHECKING:
     from redis.commands.core import Script
 
     from .settings import Settings
+
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class NotReplicated(redis.ConnectionError):
@@ -76,6 +82,20 @@ class FailoverAwareConnection(SentinelManagedConnection):
                 raise
             self.disconnect()
             raise NotReplicated(f"{e} (reconnecting through the sentinels)") from e
+
+
+def retrying(op: Callable[[], T], within_s: float, pause_s: float = 0.5) -> T:
+    """`op()`, retried after transient errors (a restart, a failover) for up to `within_s` seconds;
+    the writes it is used for are idempotent, so a retry after a lost reply doubles nothing."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return op()
+        except Exception as e:
+            if not is_transient(e) or time.monotonic() > deadline:
+                raise
+            log.warning("Redis unavailable (%s); retrying", e)
+            time.sleep(pause_s)
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,8 @@ import signal
 import tempfile
 import threading
 import time
-from pathlib import Path
 
-import redis
-
-from app.cli.redis_server import EmbeddedRedis, EmbeddedSentinel
+from app.cli.redis_server import SentinelGroup
 from app.redis_conn import Durable, connect, is_transient
 from app.settings import Settings
 
@@ -47,37 +44,10 @@ CONFIGS = {
 }
 
 
-class Group:
-    def __init__(self, home: Path, server_args: list[str]) -> None:
-        self.master = EmbeddedRedis(home / "m", appendfsync="everysec", extra=server_args)
-        self.master.start()
-        self.replicas = [
-            EmbeddedRedis(
-                home / f"r{i}",
-                appendfsync="everysec",
-                extra=[*server_args, "--replicaof", "127.0.0.1", str(self.master.port)],
-            )
-            for i in range(2)
-        ]
-        for r in self.replicas:
-            r.start()
-        self.sentinel = EmbeddedSentinel(home / "s", self.master.port)
-        self.sentinel.start(replicas=2)
-        deadline = time.monotonic() + 20
-        while redis.Redis(port=self.master.port).info("replication")["connected_slaves"] < 2:
-            assert time.monotonic() < deadline, "replicas did not connect"
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.sentinel.stop()
-        for s in [self.master, *self.replicas]:
-            s.stop()
-
-
 def measure(event: str, config: str, seconds_after: float = 16.0) -> dict:
     server_args, wait = CONFIGS[config]
     with tempfile.TemporaryDirectory(prefix="weightq-failover-") as home:
-        group = Group(Path(home), server_args)
+        group = SentinelGroup(home, server_args)
         settings = Settings(redis_wait_replicas=wait, redis_wait_timeout_ms=500)
         client = connect(group.sentinel.url, settings, socket_timeout=2, socket_connect_timeout=1)
         durable = Durable(client, settings.redis_wait_replicas, settings.redis_wait_timeout_ms)
@@ -117,7 +87,7 @@ def measure(event: str, config: str, seconds_after: float = 16.0) -> dict:
         time.sleep(seconds_after)
         stop.set()
         t.join(10)
-        final = redis.Redis(port=group.sentinel.master_port(), socket_timeout=5)
+        final = group.master_client(socket_timeout=5)
         stored = {int(x) for x in final.lrange("log", 0, -1)}
         group.stop()
     lost = [(i, ts) for i, ts in acked if i not in stored]

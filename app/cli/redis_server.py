@@ -177,6 +177,38 @@ class EmbeddedSentinel:
         self.proc = None
 
 
+class SentinelGroup:
+    """A master, `replicas` replicas (all with `server_args`) and a sentinel watching them, started
+    and waited on until every replica is connected: a local Sentinel setup."""
+
+    def __init__(self, home: str | Path, server_args: Sequence[str] = (), replicas: int = 2) -> None:
+        home = Path(home)
+        self.master = EmbeddedRedis(home / "m", appendfsync="everysec", extra=server_args)
+        self.master.start()
+        follow = [*server_args, "--replicaof", "127.0.0.1", str(self.master.port)]
+        self.replicas = [EmbeddedRedis(home / f"r{i}", appendfsync="everysec", extra=follow) for i in range(replicas)]
+        for r in self.replicas:
+            r.start()
+        self.sentinel = EmbeddedSentinel(home / "s", self.master.port)
+        self.sentinel.start(replicas=replicas)
+        self.url = self.sentinel.url
+        deadline = time.monotonic() + 20
+        while redis.Redis(port=self.master.port).info("replication")["connected_slaves"] < replicas:
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the replicas did not connect to the master in 20 s")
+            time.sleep(0.05)
+
+    def master_client(self, **kw) -> redis.Redis:
+        """A client of whichever server the sentinel names master now."""
+        return redis.Redis(port=self.sentinel.master_port(), **kw)
+
+    def stop(self) -> None:
+        self.sentinel.stop()
+        for s in [self.master, *self.replicas]:
+            s.stop()
+
+
 def ensure_redis(settings) -> str:
     """REDIS_URL if set; else the embedded Redis (started now unless one already answers)."""
     import redis

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from app.redis_conn import Durable, connect, is_transient
+from app.redis_conn import Durable, connect, retrying
 from app.settings import Settings
 from tasks.contract import (
     CANCEL,
@@ -183,27 +183,23 @@ class Client:
         job_id = request_id or uuid.uuid4().hex
         # The request is kept with the job so that a worker can re-send a job whose message is lost
         # (app/worker/recovery.py): once this write is in, the job is accepted.
-        self._retrying(
+        # A restart or failover is waited out (REDIS_RETRY_S): once the job is recorded, giving up on its
+        # message would leave it to the lost-job sweep.
+        retrying(
             lambda: self.durable.run(
                 self.submit_script,
                 [job_key(job_id), QUEUED],
                 [json.dumps(request), repr(time.time()), self.settings.result_ttl_s, job_id],
-            )
+            ),
+            self.settings.redis_retry_s,
+            pause_s=0.2,
         )
-        self._retrying(lambda: self.app.send_task(TASK_NAME, args=[request], task_id=job_id, queue=self.settings.queue))
+        retrying(
+            lambda: self.app.send_task(TASK_NAME, args=[request], task_id=job_id, queue=self.settings.queue),
+            self.settings.redis_retry_s,
+            pause_s=0.2,
+        )
         return Job(self, job_id)
-
-    def _retrying(self, op):
-        """Waits out a Redis restart or failover (up to REDIS_RETRY_S): the job is already recorded,
-        so giving up on its message would leave it to the lost-job sweep."""
-        deadline = time.monotonic() + self.settings.redis_retry_s
-        while True:
-            try:
-                return op()
-            except Exception as e:
-                if not is_transient(e) or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
 
     def job(self, job_id: str) -> Job:
         return Job(self, job_id)

@@ -14,7 +14,7 @@ from typing import TypeVar
 import redis
 from celery.exceptions import Reject
 
-from app.redis_conn import Durable
+from app.redis_conn import Durable, retrying
 from app.settings import Settings
 from engine import Engine, GenerationRequest
 from tasks.contract import (
@@ -167,14 +167,6 @@ class JobRunner:
         )
 
     def retrying(self, op: Callable[[], T]) -> T:
-        """A job's own state writes wait out a Redis restart (up to REDIS_RETRY_S): giving up would
-        leave it 'running' and make a redelivery run it a second time."""
-        deadline = time.monotonic() + self.settings.redis_retry_s
-        while True:
-            try:
-                return op()
-            except (redis.ConnectionError, redis.TimeoutError) as e:  # NotReplicated included
-                if time.monotonic() > deadline:
-                    raise
-                log.warning("Redis unavailable (%s); retrying", e)
-                time.sleep(0.5)
+        """A job's own state writes wait out a Redis restart or failover (up to REDIS_RETRY_S): giving
+        up would leave it 'running' and make a redelivery run it a second time."""
+        return retrying(op, self.settings.redis_retry_s)

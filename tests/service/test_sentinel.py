@@ -12,10 +12,9 @@ import time
 
 import httpx
 import pytest
-import redis
 
 from app.cli.processes import GatewayProcess, WorkerProcess
-from app.cli.redis_server import EmbeddedRedis, EmbeddedSentinel
+from app.cli.redis_server import SentinelGroup
 from app.client import Client
 from app.settings import Settings
 from tasks.contract import EntryType, job_key, stream_key
@@ -25,33 +24,9 @@ HA = {"redis_wait_replicas": "all", "redis_wait_timeout_ms": 500}
 SERVER = ["--min-replicas-to-write", "1", "--min-replicas-max-lag", "1"]
 
 
-class Group:
-    def __init__(self, home) -> None:
-        self.master = EmbeddedRedis(home / "m", appendfsync="everysec", extra=SERVER)
-        self.master.start()
-        self.replicas = [
-            EmbeddedRedis(home / f"r{i}", appendfsync="everysec", extra=[*SERVER, "--replicaof", "127.0.0.1",
-                                                                         str(self.master.port)])
-            for i in range(2)
-        ]  # fmt: skip
-        for r in self.replicas:
-            r.start()
-        self.sentinel = EmbeddedSentinel(home / "s", self.master.port)
-        self.sentinel.start(replicas=2)
-        self.url = self.sentinel.url
-
-    def master_client(self) -> redis.Redis:
-        return redis.Redis(port=self.sentinel.master_port(), decode_responses=True)
-
-    def stop(self) -> None:
-        self.sentinel.stop()
-        for s in [self.master, *self.replicas]:
-            s.stop()
-
-
 @pytest.fixture
 def group(tmp_path):
-    g = Group(tmp_path)
+    g = SentinelGroup(tmp_path, SERVER)
     yield g
     g.stop()
 
@@ -80,8 +55,8 @@ def gateway(group, tmp_path):
         g.stop()
 
 
-def check_once_and_whole(group: Group, jobs, results, worker) -> None:
-    r = group.master_client()
+def check_once_and_whole(group: SentinelGroup, jobs, results, worker) -> None:
+    r = group.master_client(decode_responses=True)
     for job, res in zip(jobs, results, strict=True):
         entries = [f for _, f in r.xrange(stream_key(job.id))]
         ends = [f for f in entries if f["type"] in (EntryType.END, EntryType.ERROR)]
@@ -103,7 +78,7 @@ def stream_over_http(base: str, out: dict) -> None:
     out["finish"] = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")][-1]
 
 
-def run_through(group: Group, worker, gateway, event) -> None:
+def run_through(group: SentinelGroup, worker, gateway, event) -> None:
     client = Client(group.url, settings=Settings(redis_url=group.url, **HA))
     jobs = [client.submit(f"sentinel {i}", max_new_tokens=96, ignore_eos=True) for i in range(12)]
     http: dict = {}
