@@ -48,6 +48,8 @@ class Settings(BaseSettings):
     compile: Literal["auto", "on", "off"] = "auto"  # torch.compile the paged runner (auto: on for CPU)
     sim_step_cost: str = ""  # RUNNER=simulated (a measuring tool): "fixed_s,per_token_s,per_kv_token_s"
     torch_threads: int = 0  # the engine's intra-op threads; 0: torch's default (one per core)
+    # The engine in a process of its own (engine/core_process.py): auto (on for CUDA and RUNNER=simulated), on, off
+    engine_process: Literal["auto", "on", "off"] = "auto"
     concurrency: int = 128  # task threads per worker: the most requests one worker holds at once
     task_events: bool = True  # Flower's per-task view; off saves ~a third of the consumer's work per job
     queue: str = "weightq"

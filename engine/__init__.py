@@ -1,14 +1,18 @@
 """weightq's engine: transformers models over a paged KV cache, continuously batched."""
 
 from .config import EngineConfig
+from .core_process import AnyEngine, EngineDied, EngineProcess, own_process
 from .handle import Handle
 from .loop import Engine
 from .models import LoadedModel, ModelNotFound, load_model
 from .params import Event, FinishEvent, GenerationRequest, InvalidRequest, SamplingParams, TokenEvent
 
 __all__ = [
+    "AnyEngine",
     "Engine",
     "EngineConfig",
+    "EngineDied",
+    "EngineProcess",
     "Event",
     "FinishEvent",
     "GenerationRequest",
@@ -19,4 +23,5 @@ __all__ = [
     "SamplingParams",
     "TokenEvent",
     "load_model",
+    "own_process",
 ]

@@ -136,6 +136,10 @@ class Engine:
         b = self.batcher
         return not b.running and not b.waiting and not self._inbox
 
+    def room_for(self) -> int:
+        """How many more typical requests a worker may take now (Batcher.room_for)."""
+        return self.batcher.room_for()
+
     def stats(self) -> dict:
         b = self.batcher
         return {

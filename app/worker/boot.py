@@ -8,6 +8,7 @@ the engine while it batches them.
 from __future__ import annotations
 
 import logging
+import os
 
 from celery import bootsteps
 from celery.exceptions import ImproperlyConfigured
@@ -16,7 +17,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from app.metrics import EngineMetrics, WorkerCollector
 from app.redis_conn import Durable, connect
 from app.settings import Settings
-from engine import Engine
+from engine import AnyEngine, Engine, EngineProcess, own_process
 
 from .host import WorkerHost
 from .publisher import StreamPublisher
@@ -33,6 +34,14 @@ def _pool_name(pool) -> str:
     if isinstance(pool, str):
         return pool
     return f"{getattr(pool, '__module__', '')}.{getattr(pool, '__name__', '')}"
+
+
+def _exit_worker(message: str) -> None:
+    """The engine process died: so does the worker, at once, leaving its jobs unacked for another
+    worker to run again (as if the worker itself had been killed), never failing them."""
+    log.critical("%s: the worker exits so that its jobs are redelivered", message)
+    logging.shutdown()
+    os._exit(70)
 
 
 class EngineStep(bootsteps.StartStopStep):
@@ -65,7 +74,12 @@ class EngineStep(bootsteps.StartStopStep):
             durable=Durable(client, settings.redis_wait_replicas, settings.redis_wait_timeout_ms),
         )
         publisher.metrics = EngineMetrics()
-        engine = Engine(settings.engine_config(), sink=publisher)
+        config = settings.engine_config()
+        engine: AnyEngine
+        if own_process(settings.engine_process, config):
+            engine = EngineProcess(config, sink=publisher, on_death=_exit_worker)
+        else:
+            engine = Engine(config, sink=publisher)
         self.host = host = WorkerHost(settings, engine, publisher, client, worker.hostname)
         worker.app.weightq_host = host
         host.app = worker.app

@@ -15,7 +15,7 @@ from typing import Any
 import redis
 
 from app.settings import Settings
-from engine import Engine
+from engine import AnyEngine
 from tasks.contract import HEARTBEATS
 from tasks.schema import JobSpec, RequestError
 
@@ -32,7 +32,7 @@ __all__ = ["DeadLettered", "GenerationFailed", "WorkerHost"]
 
 class WorkerHost:
     def __init__(
-        self, settings: Settings, engine: Engine, publisher: StreamPublisher, client: redis.Redis, hostname: str
+        self, settings: Settings, engine: AnyEngine, publisher: StreamPublisher, client: redis.Redis, hostname: str
     ) -> None:
         self.settings, self.engine, self.publisher = settings, engine, publisher
         self.redis, self.hostname = client, hostname

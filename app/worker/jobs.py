@@ -16,7 +16,7 @@ from celery.exceptions import Reject
 
 from app.redis_conn import Durable, retrying
 from app.settings import Settings
-from engine import Engine, GenerationRequest
+from engine import AnyEngine, GenerationRequest
 from tasks.contract import (
     BEGIN,
     DEAD,
@@ -58,7 +58,7 @@ class JobRunner:
     def __init__(
         self,
         settings: Settings,
-        engine: Engine,
+        engine: AnyEngine,
         publisher: StreamPublisher,
         client: redis.Redis,
         hostname: str,

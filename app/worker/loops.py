@@ -21,7 +21,7 @@ import redis
 
 from app.redis_conn import is_transient
 from app.settings import Settings
-from engine import Engine
+from engine import AnyEngine
 from tasks.contract import CANCEL_CHANNEL, HEARTBEATS
 
 from .inflight import InFlight
@@ -48,7 +48,7 @@ def run_guarded(name: str, loop: Callable[[], None], stop: threading.Event) -> t
     return t
 
 
-def cancel_loop(client: redis.Redis, engine: Engine, inflight: InFlight, stop: threading.Event) -> None:
+def cancel_loop(client: redis.Redis, engine: AnyEngine, inflight: InFlight, stop: threading.Event) -> None:
     """Cancels arrive as a publish on CANCEL_CHANNEL (clients) or a Celery revoke (control)."""
     from celery.worker import state
 
@@ -92,14 +92,14 @@ def delivered_tags(inflight: InFlight, consumer: Any) -> list[str]:
 
 
 def prefetch_loop(
-    settings: Settings, engine: Engine, inflight: InFlight, consumer: Callable[[], Any], stopping, stop
+    settings: Settings, engine: AnyEngine, inflight: InFlight, consumer: Callable[[], Any], stopping, stop
 ) -> None:
     """Hold what the engine has, plus what it could admit now (nothing more once anything waits)."""
     while not stop.wait(0.05):
         qos = getattr(consumer(), "qos", None)
         if qos is None or stopping.is_set():
             continue
-        want = max(1, min(settings.concurrency, len(inflight) + engine.batcher.room_for()))
+        want = max(1, min(settings.concurrency, len(inflight) + engine.room_for()))
         if want > qos.value:
             qos.increment_eventually(want - qos.value)
         elif want < qos.value:

@@ -57,8 +57,9 @@ class StreamPublisher:
         self._seq = 0
         self._batch_script = client.register_script(WRITE_BATCH)
 
-    def __call__(self, event: Event) -> None:
-        self._pending.append((event, time.time()))  # stamped at emission: readers measure latency from here
+    def __call__(self, event: Event, emitted: float | None = None) -> None:
+        """`emitted`: the engine's stamp when it runs in a process of its own (else now)."""
+        self._pending.append((event, emitted or time.time()))  # readers measure latency from here
         if self.metrics is not None and isinstance(event, FinishEvent):
             self.metrics.observe(event)
 

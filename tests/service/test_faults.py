@@ -4,6 +4,8 @@ is lost or doubled."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import httpx
@@ -115,6 +117,7 @@ def test_worker_restarts_under_load_sigterm_then_sigkill(service):
     """200 jobs, queued or running, through a warm shutdown (SIGTERM) of one worker and a SIGKILL of
     the next: every job finishes exactly once (state done, the tokens asked for, one end entry)."""
     fast = dict(visibility_timeout_s=6, lease_renew_s=1, restore_interval_s=1, shutdown_grace_s=0.5, concurrency=128)
+    fast["engine_process"] = "on"  # the warm shutdown and the SIGKILL with the engine in a process of its own
     r = redis.Redis.from_url(service.url, decode_responses=True)
     asked = {f"L{i}": 16 + i % 4 * 16 for i in range(200)}
 
@@ -161,6 +164,24 @@ def test_worker_restarts_under_load_sigterm_then_sigkill(service):
     assert r.llen("weightq:dead") == 0
     attempts = [int(r.hget(job_key(job_id), "attempt")) for job_id in asked]
     assert max(attempts) >= 2  # the restarts hit jobs that were running
+
+
+def test_a_dead_engine_process_takes_its_worker_down_and_its_jobs_run_again(service):
+    """ENGINE_PROCESS=on: the engine child dies (OOM killer, a crash in a kernel). Its worker must not
+    fail the jobs inside (they did nothing wrong) nor live on without an engine: it exits at once, and
+    another worker runs its jobs again after the visibility timeout."""
+    fast = dict(visibility_timeout_s=5, lease_renew_s=1, restore_interval_s=1, engine_process="on")
+    doomed = service.worker("doomed@test", **fast).wait_ready()
+    jobs = [service.client.submit(f"doomed {i}", max_new_tokens=400, ignore_eos=True) for i in range(4)]
+    next(ev for ev in jobs[0].events(timeout=120) if ev.type == "token")
+    engine_pid = doomed.wait_stats(lambda s: "engine_pid" in s)["engine_pid"]
+    os.kill(engine_pid, signal.SIGKILL)
+    assert doomed.proc.wait(30) == 70, doomed.log()[-3000:]
+    assert "engine process died" in doomed.log()
+    service.worker("heir@test", **fast).wait_ready()
+    results = [job.result(timeout=240) for job in jobs]
+    assert [r["usage"]["completion_tokens"] for r in results] == [400] * 4
+    assert all(len(end_entries(service.url, job.id)) == 1 for job in jobs)
 
 
 def test_a_retried_begin_is_not_another_attempt(service):
