@@ -119,20 +119,31 @@ class Gateway:
 
     async def events(self, job_id: str, last_id: str = "0-0") -> AsyncIterator[tuple[str, dict]]:
         """Stream entries, with a restarted job's repeated tokens dropped and a timeout when idle."""
+        batches = self.batches(job_id, last_id)
+        try:
+            async for batch in batches:
+                for item in batch:
+                    yield item
+        finally:
+            await batches.aclose()
+
+    async def batches(self, job_id: str, last_id: str = "0-0") -> AsyncIterator[list[tuple[str, dict]]]:
+        """events() as lists of what had arrived together (a streamed response writes each in one go)."""
         assert self.hub is not None
         replay = Replay()
-        it = self.hub.follow(job_id, last_id).__aiter__()
+        timeout = self.settings.request_timeout_s
+        it = self.hub.follow_batches(job_id, last_id, timeout)
         try:
             while True:
                 try:
-                    entry_id, fields = await asyncio.wait_for(it.__anext__(), self.settings.request_timeout_s)
+                    batch = await anext(it)
                 except StopAsyncIteration:
                     return
                 except TimeoutError:
-                    raise HTTPError(504, f"job {job_id}: nothing for {self.settings.request_timeout_s} s", None,
-                                    "timeout") from None  # fmt: skip
-                if replay.fresh(fields):  # a redelivered job regenerates what was already sent
-                    yield entry_id, fields
+                    raise HTTPError(504, f"job {job_id}: nothing for {timeout} s", None, "timeout") from None
+                fresh = [(eid, f) for eid, f in batch if replay.fresh(f)]  # a redelivered job regenerates tokens
+                if fresh:
+                    yield fresh
         finally:
             await it.aclose()
 
@@ -181,35 +192,39 @@ class Gateway:
     ) -> StreamingResponse:
         """An SSE response whose event ids are `<job id>/<entry id>`; the first entry is read before
         answering, so a job the worker refuses is still a 4xx."""
-        events = self.events(job_id, last_id)
+        batches = self.batches(job_id, last_id)
         try:
-            entry_id, fields = await anext(events)
-            while fields.get("type") == EntryType.ATTEMPT:
-                entry_id, fields = await anext(events)
+            first = await anext(batches)
+            while first and first[0][1].get("type") == EntryType.ATTEMPT:
+                first = first[1:] or await anext(batches)
         except BaseException:
-            await events.aclose()
+            await batches.aclose()
             self.cancel_soon(job_id)
             raise
-        if fields.get("type") == EntryType.ERROR and last_id == "0-0":
-            await events.aclose()
-            outcome(fields)  # raises JobFailed: a refused request answers 4xx, not a stream
+        if first[0][1].get("type") == EntryType.ERROR and last_id == "0-0":
+            await batches.aclose()
+            outcome(first[0][1])  # raises JobFailed: a refused request answers 4xx, not a stream
 
         async def body() -> AsyncIterator[str]:
             finished = False
             self.streams_open.inc()
             try:
-                current = (entry_id, fields)
+                batch = first
                 while True:
-                    eid, f = current
-                    for line in chunks(f"{job_id}/{eid}", f):
-                        yield line
-                    if is_end(f):
-                        finished = True
+                    lines: list[str] = []
+                    for eid, f in batch:
+                        lines += chunks(f"{job_id}/{eid}", f)
+                        if is_end(f):
+                            finished = True
+                            break
+                    if lines:
+                        yield "".join(lines)  # one write for every entry that was waiting
+                    if finished:
                         return
-                    current = await anext(events)
+                    batch = await anext(batches)
             finally:
                 self.streams_open.dec()
-                await events.aclose()
+                await batches.aclose()
                 if not finished:
                     self.cancel_soon(job_id)
 

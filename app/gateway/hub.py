@@ -47,6 +47,16 @@ class StreamHub:
 
     async def follow(self, job_id: str, last_id: str = "0-0") -> AsyncIterator[tuple[str, dict[str, str]]]:
         """(entry id, fields) of the job's stream after `last_id`, through its end or error entry."""
+        async for batch in self.follow_batches(job_id, last_id):
+            for item in batch:
+                yield item
+
+    async def follow_batches(
+        self, job_id: str, last_id: str = "0-0", idle_timeout_s: float | None = None
+    ) -> AsyncIterator[list[tuple[str, dict[str, str]]]]:
+        """The same entries, as lists of all that have arrived by the time the follower looks: a
+        follower that falls behind catches up in one write per batch, not one per token. Raises
+        TimeoutError when nothing arrives for `idle_timeout_s`."""
         key = stream_key(job_id)
         if key in self._followers:
             raise RuntimeError(f"job {job_id} already has a follower on this hub")
@@ -55,13 +65,23 @@ class StreamHub:
         self._wake.set()
         try:
             while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                entry_id, fields = item
-                yield entry_id, fields
-                if is_end(fields):
-                    return
+                if queue.empty():
+                    async with asyncio.timeout(idle_timeout_s):
+                        first = await queue.get()
+                else:
+                    first = queue.get_nowait()
+                batch = [first]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                for n, item in enumerate(batch):
+                    if isinstance(item, BaseException):
+                        if n:
+                            yield batch[:n]
+                        raise item
+                    if is_end(item[1]):
+                        yield batch[: n + 1]
+                        return
+                yield batch
         finally:
             self._followers.pop(key, None)
 
