@@ -53,8 +53,8 @@ def workload(n: int, seed: int) -> list[tuple[list[int], int]]:
     return [([rng.randrange(10, 1100) for _ in range(rng.randint(16, 128))], rng.randint(16, 96)) for _ in range(n)]
 
 
-def inproc(work) -> tuple[float, dict]:
-    engine = Engine(EngineConfig(max_batch_weight=BUDGET))
+def inproc(work, runner: dict) -> tuple[float, dict]:
+    engine = Engine(EngineConfig(max_batch_weight=BUDGET, **runner))
     engine.generate([GenerationRequest("warm", prompt_token_ids=work[0][0], params=SamplingParams(max_new_tokens=4))])
     reqs = [
         GenerationRequest(f"r{i}", prompt_token_ids=p, params=SamplingParams(max_new_tokens=n, ignore_eos=True))
@@ -90,12 +90,18 @@ def follow(url: str, ids: list[str], latencies: list[float], done: threading.Eve
     done.set()
 
 
-def pipeline(work, task_events: bool = True) -> tuple[float, list[float], dict]:
+def pipeline(work, runner: dict, task_events: bool = True) -> tuple[float, list[float], dict]:
     home = Path(tempfile.mkdtemp(prefix="weightq-bench-"))
     server = EmbeddedRedis(home / "redis")
     url = server.start()
     worker = WorkerProcess(
-        url, "bench@pipeline", home, max_batch_weight=BUDGET, concurrency=len(work) + 8, task_events=int(task_events)
+        url,
+        "bench@pipeline",
+        home,
+        max_batch_weight=BUDGET,
+        concurrency=len(work) + 8,
+        task_events=int(task_events),
+        **runner,
     )
     try:
         worker.wait_ready()
@@ -134,11 +140,15 @@ def main() -> None:
     ap.add_argument(
         "--no-task-events", action="store_true", help="run the worker with TASK_EVENTS=0 (no Flower task view)"
     )
+    ap.add_argument("--runner", default="auto", choices=["auto", "simulated"], help="simulated: the modelled device")
+    ap.add_argument("--sim-step-cost", default="", help="SIM_STEP_COST for --runner simulated")
     args = ap.parse_args()
+    runner = {"runner": args.runner, "sim_step_cost": args.sim_step_cost}
     work = workload(args.requests, args.seed)
-    inproc_tok_s, inproc_cpu = inproc(work)
-    pipe_tok_s, lat, pipe_cpu = pipeline(work, task_events=not args.no_task_events)
+    inproc_tok_s, inproc_cpu = inproc(work, runner)
+    pipe_tok_s, lat, pipe_cpu = pipeline(work, runner, task_events=not args.no_task_events)
     out = {
+        "runner": args.runner,
         "requests": len(work),
         "inproc_tok_s": round(inproc_tok_s, 1),
         "pipeline_tok_s": round(pipe_tok_s, 1),

@@ -42,48 +42,91 @@ from bench.engine import requests, workload
 from bench.peer_client import omp_bind, peer_problem, peer_python
 from engine import Engine, EngineConfig
 from engine.builtin import builtin_path
+from tasks.contract import stream_key
 
 BUDGET = 65536  # KV tokens: every request of 256 fits at once; 1,024 queue behind it on both sides
 
 
-async def _one(client: httpx.AsyncClient, model: str, ids: list[int], n: int) -> dict:
-    body = {"model": model, "prompt": ids, "max_tokens": n, "temperature": 0, "stream": True, "ignore_eos": True}
-    sent = time.perf_counter()
-    arrivals: list[float] = []
-    finish = None
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
+class _Http:
+    """A lean HTTP/1.1 client for one streaming POST per connection: httpx spent about half of this
+    process's CPU on 256 streams (its pool scans every connection on each close), on the cores the
+    servers under test share. The same client drives weightq and vLLM."""
+
+    def __init__(self, base: str) -> None:
+        host, _, port = base.removeprefix("http://").partition(":")
+        self.host, self.port = host, int(port)
+
+    async def stream(self, path: str, body: dict):
+        """Yields (arrival time, SSE line) after an HTTP 200; raises RuntimeError on another status."""
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+        try:
+            payload = json.dumps(body).encode()
+            writer.write(
+                f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
+                + payload
+            )
+            head = await reader.readuntil(b"\r\n\r\n")
+            status = int(head.split(b" ", 2)[1])
+            if status != 200:
+                raise RuntimeError(f"HTTP {status}: {(await reader.read(300))!r}")
+            chunked = b"transfer-encoding: chunked" in head.lower()
             buf = b""
-            async for part in r.aiter_bytes():  # SSE lines end at b"\n" only (not at U+2028 and kin)
+            while True:
+                if chunked:
+                    size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                    if size == 0:
+                        return
+                    part = (await reader.readexactly(size + 2))[:-2]
+                else:
+                    part = await reader.read(65536)
+                    if not part:
+                        return
+                now = time.time()
                 buf += part
-                *lines, buf = buf.split(b"\n")
+                *lines, buf = buf.split(b"\n")  # SSE lines end at b"\n" only (not at U+2028 and kin)
                 for line in lines:
-                    if not line.startswith(b"data: {"):
-                        continue
-                    try:
-                        choices = json.loads(line[6:]).get("choices") or []
-                    except ValueError as e:
-                        return {"error": f"bad JSON ({e}): {line[:300]!r}"}
-                    if choices:
-                        arrivals.append(time.perf_counter())
-                        finish = choices[0].get("finish_reason") or finish
-    except httpx.HTTPError as e:
+                    yield now, line
+        finally:
+            writer.close()
+
+
+async def _one(client: _Http, model: str, ids: list[int], n: int) -> dict:
+    body = {"model": model, "prompt": ids, "max_tokens": n, "temperature": 0, "stream": True, "ignore_eos": True}
+    sent = time.time()
+    arrivals: list[float] = []
+    event_ids: list[str] = []  # the SSE id of each chunk (ours: "<job id>/<entry id>"; vLLM sends none)
+    finish = None
+    event_id = ""
+    try:
+        async for now, line in client.stream("/v1/completions", body):
+            if line.startswith(b"id: "):
+                event_id = line[4:].decode()
+            if not line.startswith(b"data: {"):
+                continue
+            try:
+                choices = json.loads(line[6:]).get("choices") or []
+            except ValueError as e:
+                return {"error": f"bad JSON ({e}): {line[:300]!r}"}
+            if choices:
+                arrivals.append(now)
+                event_ids.append(event_id)
+                finish = choices[0].get("finish_reason") or finish
+    except (OSError, RuntimeError, asyncio.IncompleteReadError, ValueError) as e:
         return {"error": repr(e)}
     if finish != "length" or not arrivals:
         return {"error": f"finish_reason {finish!r} after {len(arrivals)} chunks"}
-    return {"sent": sent, "arrivals": arrivals, "tokens": n}
+    return {"sent": sent, "arrivals": arrivals, "event_ids": event_ids, "tokens": n}
 
 
 async def _drive(base: str, model: str, work) -> list[dict]:
-    limits = httpx.Limits(max_connections=len(work) + 8, max_keepalive_connections=len(work) + 8)
-    async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(900, connect=60), limits=limits) as c:
-        return await asyncio.gather(*(_one(c, model, ids, n) for ids, n in work))
+    client = _Http(base)
+    return await asyncio.gather(*(_one(client, model, ids, n) for ids, n in work))
 
 
-def drive(base: str, model: str, work) -> dict:
-    """One round of every request at once; the figures of that round."""
+def drive(base: str, model: str, work, redis_client=None) -> dict:
+    """One round of every request at once; the figures of that round (and where a token's time went,
+    given the stack's Redis)."""
     results = asyncio.run(_drive(base, model, work))
     ok = [r for r in results if "error" not in r]
     errors = [r["error"] for r in results if "error" in r]
@@ -93,7 +136,7 @@ def drive(base: str, model: str, work) -> dict:
     end = max(r["arrivals"][-1] for r in ok)
     ttft = [r["arrivals"][0] - r["sent"] for r in ok]
     gaps = [b - a for r in ok for a, b in zip(r["arrivals"], r["arrivals"][1:], strict=False)]
-    return {
+    return (stages(redis_client, ok) if redis_client is not None else {}) | {
         "tok_s": sum(r["tokens"] for r in ok) / (end - start),
         "wall_s": end - start,
         "ttft_p50_s": percentile(ttft, 50),
@@ -102,6 +145,36 @@ def drive(base: str, model: str, work) -> dict:
         "itl_p99_ms": percentile(gaps, 99) * 1000 if gaps else None,
         "errors": len(errors),
         "first_error": errors[0] if errors else None,
+    }
+
+
+def stages(redis_client, results: list[dict]) -> dict:
+    """Where a streamed token's time goes, from the stream entries behind the SSE ids: the engine's
+    emit stamp (`ts`) -> written to Redis (the entry id's milliseconds) -> received by the HTTP client."""
+    emit_write: list[float] = []
+    write_client: list[float] = []
+    for r in results:
+        if "error" in r or not r["event_ids"][0]:
+            continue
+        job_id = r["event_ids"][0].partition("/")[0]
+        stamps = {eid.decode(): float(f[b"ts"]) for eid, f in redis_client.xrange(stream_key(job_id)) if b"ts" in f}
+        for arrived, event_id in zip(r["arrivals"], r["event_ids"], strict=True):
+            entry = event_id.partition("/")[2]
+            if entry not in stamps:
+                continue
+            written = int(entry.split("-")[0]) / 1000
+            emit_write.append(written - stamps[entry])
+            write_client.append(arrived - written)
+    if not emit_write:
+        return {}
+    ms = lambda xs, q: round(1000 * percentile(xs, q), 2)  # noqa: E731
+    return {
+        "emit_to_redis_p50_ms": ms(emit_write, 50),
+        "emit_to_redis_p99_ms": ms(emit_write, 99),
+        "redis_to_client_p50_ms": ms(write_client, 50),
+        "redis_to_client_p99_ms": ms(write_client, 99),
+        "emit_to_client_p50_ms": ms([a + b for a, b in zip(emit_write, write_client, strict=True)], 50),
+        "emit_to_client_p99_ms": ms([a + b for a, b in zip(emit_write, write_client, strict=True)], 99),
     }
 
 
@@ -119,7 +192,7 @@ def served(worker: WorkerProcess, base: str, model: str, work) -> dict:
     """One round through the stack, with the worker's device time over it (from its heartbeats: the
     modelled device time on the simulated runner, the forward passes' on a real one)."""
     before = worker.wait_stats(lambda s: s.get("running", 1) == 0 and s.get("active_jobs", 1) == 0, timeout=300)
-    figures = drive(base, model, work)
+    figures = drive(base, model, work, worker.redis)
     goal = before["finished"] + len(work) - figures["errors"]
     after = worker.wait_stats(lambda s: s.get("finished", 0) >= goal, timeout=300)
     if figures.get("wall_s"):

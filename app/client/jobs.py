@@ -33,6 +33,7 @@ from tasks.contract import (
     JobFailed,
     JobState,
     Replay,
+    args_repr,
     cancelled_result,
     decode_fields,
     job_key,
@@ -195,7 +196,14 @@ class Client:
             pause_s=0.2,
         )
         retrying(
-            lambda: self.app.send_task(TASK_NAME, args=[request], task_id=job_id, queue=self.settings.queue),
+            lambda: self.app.send_task(
+                TASK_NAME,
+                args=[request],
+                task_id=job_id,
+                queue=self.settings.queue,
+                argsrepr=args_repr(request),
+                kwargsrepr="{}",
+            ),
             self.settings.redis_retry_s,
             pause_s=0.2,
         )

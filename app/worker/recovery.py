@@ -12,7 +12,7 @@ from collections.abc import Callable
 import redis
 
 from app.settings import Settings
-from tasks.contract import QUEUED, RECOVER_LOCK, STARTED_HW, TASK_NAME, JobState, job_key
+from tasks.contract import QUEUED, RECOVER_LOCK, STARTED_HW, TASK_NAME, JobState, args_repr, job_key
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,10 @@ class LostJobSweeper:
             if raw is None or app is None:
                 continue
             log.warning("job %s lost its message (a Redis crash?): sending it again", job_id)
-            app.send_task(TASK_NAME, args=[json.loads(raw)], task_id=job_id, queue=s.queue)  # type: ignore[attr-defined]
+            request = json.loads(raw)
+            app.send_task(  # type: ignore[attr-defined]
+                TASK_NAME, args=[request], task_id=job_id, queue=s.queue, argsrepr=args_repr(request), kwargsrepr="{}"
+            )
         return lost
 
     def _present(self, job_ids: list[str]) -> set[str]:
