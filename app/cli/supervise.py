@@ -14,12 +14,14 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[None]:
     """SIGTERM and SIGHUP (systemd, container runtimes, `timeout`, a closed terminal) stop the stack as
-    Ctrl-C does: as a KeyboardInterrupt in the main thread."""
+    Ctrl-C does: as a KeyboardInterrupt in the main thread. SIGINT too, explicitly: a process started
+    in the background by a non-interactive shell inherits SIGINT ignored, and Python then installs no
+    handler of its own (a CI run started so hung on `kill -INT` until its test timed out)."""
 
     def interrupt(signum, frame) -> None:
         raise KeyboardInterrupt
 
-    old = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS}
+    old = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, *STOP_SIGNALS)}
     try:
         yield
     finally:
