@@ -12,6 +12,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +31,17 @@ from .setup import build, on_fresh_thread
 from .warmup import warm_up
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Deferred:
+    """A sampled token whose text and event wait for the next forward (an asynchronous device)."""
+
+    seq: Sequence
+    token: int
+    index: int
+    has_text: bool  # False: an EOS or stop id, which ends its request without text
+    reason: FinishReason | None  # the request ends here (already retired from the batcher)
 
 
 class Engine:
@@ -54,6 +66,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._generator = torch.Generator().manual_seed(cfg.seed)
+        # An asynchronous device's step leaves its text and events here, done during the next forward.
+        self._deferred: list[list[Deferred]] = []
         self.counters = {
             "steps": 0,
             "prefill_tokens": 0,
@@ -109,6 +123,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._finish_deferred()
         self._drain()
         for seq in list(self.seqs.values()):
             self._finish(seq, reason, message)
@@ -132,9 +147,9 @@ class Engine:
         return render_chat(self.tokenizer, self.config.model, messages)
 
     def idle(self) -> bool:
-        """Nothing running, waiting or submitted."""
+        """Nothing running, waiting or submitted (and every event out)."""
         b = self.batcher
-        return not b.running and not b.waiting and not self._inbox
+        return not b.running and not b.waiting and not self._inbox and not self._deferred
 
     def room_for(self) -> int:
         """How many more typical requests a worker may take now (Batcher.room_for)."""
@@ -196,6 +211,7 @@ class Engine:
         for req in plan.preempted:
             runner.release(self.seqs[req.id])
         if not plan:
+            self._finish_deferred()
             return False
         seqs = self.seqs
         for req in plan.admitted:
@@ -217,12 +233,27 @@ class Engine:
             logits = runner.forward(prefill, decode)
         except Exception as e:
             logits = self._isolate(prefill, decode, e)
+        self._finish_deferred()  # the last step's text and events, while an asynchronous device computes
+        runner.synchronize()
         fwd = self.runner.model_s - model_before
         emitted = [seqs[r.id] for r in self.batcher.complete(plan)]
         tokens = sample(logits, emitted, self._generator) if emitted else []
         done = time.monotonic()
+        if runner.asynchronous:
+            self._defer(emitted, tokens, done)
+        else:
+            self._accept_all(emitted, tokens, done)
+        if self.batcher.batch_weight() > self.batcher.budget:
+            self.counters["overflow_steps"] += 1
+        self._count(plan.prefill_tokens, len(plan.decode), fwd, time.perf_counter() - t_start)
+        if self.config.check_invariants:
+            self._check_invariants()
+        return True
+
+    def _accept_all(self, emitted: list[Sequence], tokens: list[int], done: float) -> None:
+        """Detokenize and report a step's tokens now: one detokenizer pass for every token that has
+        text; None marks an EOS or stop id that ends its request."""
         eos = self.lm.eos_token_ids
-        # One detokenizer pass for every token that has text; None marks an EOS or stop id that ends its request.
         texting = [
             i
             for i, (s, t) in enumerate(zip(emitted, tokens, strict=True))
@@ -234,12 +265,54 @@ class Engine:
             deltas[i] = piece
         for seq, tok, delta in zip(emitted, tokens, deltas, strict=True):
             self._accept(seq, tok, delta, done)
-        if self.batcher.batch_weight() > self.batcher.budget:
-            self.counters["overflow_steps"] += 1
-        self._count(plan.prefill_tokens, len(plan.decode), fwd, time.perf_counter() - t_start)
-        if self.config.check_invariants:
-            self._check_invariants()
-        return True
+
+    def _defer(self, emitted: list[Sequence], tokens: list[int], done: float) -> None:
+        """An asynchronous device: record the step's tokens and retire the requests they end (so the
+        next step's plan is exact), and leave their text and events to `_finish_deferred`, which runs
+        while the device computes the next step. Requests with stop strings need their text to know
+        whether they end: they are detokenized now."""
+        eos = self.lm.eos_token_ids
+        now_seqs, now_tokens, later = [], [], []
+        for seq, tok in zip(emitted, tokens, strict=True):
+            params = seq.params
+            if params.stop:
+                now_seqs.append(seq)
+                now_tokens.append(tok)
+                continue
+            seq.token_ids.append(tok)
+            req = seq.sched
+            if req.generated == 1:
+                seq.first_token_s = done
+            reason: FinishReason | None = None
+            if tok in params.stop_token_ids:
+                reason = "stop"
+            elif tok in eos and not params.ignore_eos:
+                reason = "eos"
+            elif req.generated >= req.max_new_tokens:
+                reason = "length"
+            if reason is not None:
+                self._retire(seq, reason)
+            later.append(Deferred(seq, tok, req.generated - 1, reason is None or reason == "length", reason))
+        if now_seqs:
+            self._accept_all(now_seqs, now_tokens, done)
+        if later:
+            self._deferred.append(later)
+
+    def _finish_deferred(self) -> None:
+        """Text and events of deferred steps, in order (before any other event of their requests)."""
+        while self._deferred:
+            batch = self._deferred.pop(0)
+            texting = [d for d in batch if d.has_text]
+            pieces = iter(push_many([d.seq.detok for d in texting], [d.token for d in texting]))
+            for d in batch:
+                seq = d.seq
+                piece = next(pieces) if d.has_text else ""
+                if d.reason is not None:
+                    piece += seq.detok.flush()
+                seq.text += piece
+                self._emit(TokenEvent(seq.id, d.index, d.token, piece))
+                if d.reason is not None:
+                    self._emit(self._finish_event(seq, d.reason))
 
     def _prepare(self, request: GenerationRequest, now: float) -> Sequence:
         params = request.params
@@ -318,6 +391,12 @@ class Engine:
             self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        self._finish_deferred()  # its earlier tokens' events go first
+        self._retire(seq, reason)
+        self._emit(self._finish_event(seq, reason, error))
+
+    def _retire(self, seq: Sequence, reason: FinishReason) -> None:
+        """The request leaves the batcher and its blocks go back to the pool."""
         rid = seq.id
         if rid in self.batcher.running:
             if reason in ("eos", "stop", "length"):
@@ -329,21 +408,21 @@ class Engine:
         self.runner.release(seq)
         del self.seqs[rid]
         self.counters["finished"] += 1
+
+    def _finish_event(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> FinishEvent:
         now = time.monotonic()
         out = seq.output_ids
-        self._emit(
-            FinishEvent(
-                rid,
-                reason,
-                seq.text,
-                tuple(out),
-                seq.prompt_len,
-                len(out),
-                queue_s=(seq.admitted_s or now) - seq.submitted_s,
-                ttft_s=(seq.first_token_s - seq.submitted_s) if seq.first_token_s else 0.0,
-                total_s=now - seq.submitted_s,
-                error=error,
-            )
+        return FinishEvent(
+            seq.id,
+            reason,
+            seq.text,
+            tuple(out),
+            seq.prompt_len,
+            len(out),
+            queue_s=(seq.admitted_s or now) - seq.submitted_s,
+            ttft_s=(seq.first_token_s - seq.submitted_s) if seq.first_token_s else 0.0,
+            total_s=now - seq.submitted_s,
+            error=error,
         )
 
     def _isolate(self, prefill: list[Work], decode: list[Work], error: Exception) -> torch.Tensor:

@@ -29,6 +29,10 @@ class PaddedRunner:
     works, prefill first; release(seq) when a sequence leaves."""
 
     compiled = False  # the model's own cache: not compiled (see EngineConfig.compile)
+    asynchronous = False
+
+    def synchronize(self) -> None:
+        pass
 
     def __init__(self, model: nn.Module, device: torch.device, *, pad_id: int, decoder_start_id: int | None) -> None:
         self.model = model

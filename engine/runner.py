@@ -40,6 +40,12 @@ class Runner(Protocol):
     compiled: bool  # its shapes are compiled: the engine warms them up before serving
     can_isolate: bool  # a failed step can be retried request by request (False: one batch, one fate)
     model_s: float  # seconds spent inside the model's forward so far
+    # forward() may return before the device is done (its logits are read after synchronize()): the
+    # engine then does the last step's detokenization and events in between, while the device runs.
+    asynchronous: bool
+
+    def synchronize(self) -> None:
+        """Wait until the last forward's logits are ready (and count its device time in model_s)."""
 
     def ensure(self, seq: HasTokens, tokens: int) -> None:
         """Make room for `tokens` tokens of `seq` (the batcher guarantees the memory suffices)."""
@@ -64,6 +70,10 @@ class PagedMemory:
     runner has the same methods over its own rows."""
 
     cache: KVCache
+    asynchronous = False
+
+    def synchronize(self) -> None:
+        pass
 
     def ensure(self, seq: HasTokens, tokens: int) -> None:
         """Give `seq` blocks for `tokens` tokens (the batcher guarantees the pool suffices)."""
@@ -99,6 +109,8 @@ class ModelRunner(PagedMemory):
     ) -> None:
         self.model = model
         self.compiled = compiled
+        self.asynchronous = device.type == "cuda"  # kernels queue; the sampler's read waits for them
+        self._timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         cfg = getattr(model, "config", None)
         heads = getattr(cfg, "num_attention_heads", 0)
         pool = cache.k[0]
@@ -212,6 +224,9 @@ class ModelRunner(PagedMemory):
         """Logits [rows, vocab] in float32 for the emitting works: prefill ones first, then decodes."""
         ids, pos, keep, meta = self.build(prefill, decode)
         t0 = time.perf_counter()
+        if self.asynchronous:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
         rows = len(keep)
         if self._compiled_model is not None:
             # The attention op looks pure to the compiler: with no logits to keep, it would drop the
@@ -224,10 +239,20 @@ class ModelRunner(PagedMemory):
         else:
             out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep, weightq_meta=meta)
         logits = out.logits[0, :rows].float()
-        if logits.is_cuda:
-            torch.cuda.synchronize(logits.device)
-        self.model_s += time.perf_counter() - t0
+        if self.asynchronous:  # timed on the device; synchronize() waits, so the host works meanwhile
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._timing = (start, end)
+        else:
+            self.model_s += time.perf_counter() - t0
         return logits
+
+    def synchronize(self) -> None:
+        if self._timing is not None:
+            start, end = self._timing
+            self._timing = None
+            end.synchronize()
+            self.model_s += start.elapsed_time(end) / 1000
 
 
 def _split_by_length(lens: list[int], block: int, max_groups: int = 4) -> list[list[int]]:

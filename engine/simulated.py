@@ -30,6 +30,7 @@ SIMULATED_GEOMETRY = KVGeometry(num_layers=1, num_kv_heads=1, head_dim=1, dtype=
 class SimulatedRunner(PagedMemory):
     compiled = False
     can_isolate = True
+    asynchronous = True  # as a GPU: forward() returns at once, synchronize() waits out the device time
 
     def __init__(self, cache: KVCache, vocab_size: int, cost: StepCost, avoid: frozenset[int] = frozenset()) -> None:
         self.cache = cache
@@ -37,6 +38,7 @@ class SimulatedRunner(PagedMemory):
         self.cost = cost
         self.avoid = avoid  # token ids never chosen (EOS): outputs run to max_new_tokens, as a benchmark wants
         self.model_s = 0.0  # modelled device seconds (device busy = model_s / wall time)
+        self._ready = 0.0  # perf_counter time at which the last forward's device work ends
 
     def forward(self, prefill: list[Work], decode: list[Work]) -> torch.Tensor:
         works = prefill + decode
@@ -49,12 +51,16 @@ class SimulatedRunner(PagedMemory):
         if emitting:
             choice = torch.tensor([self._next_token(w) for w in emitting])
             logits[torch.arange(len(emitting)), choice] = 1.0
-        # The device runs while the host waits; building the logits above counts as host time.
-        remaining = device_s - (time.perf_counter() - t0)
-        if remaining > 0:
-            time.sleep(remaining)
+        # The device starts when its inputs are ready; building the logits above counts as host time
+        # (on a GPU the sampler's logits are the device's, here they stand in for them).
+        self._ready = max(t0, self._ready) + device_s
         self.model_s += device_s
         return logits
+
+    def synchronize(self) -> None:
+        remaining = self._ready - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
 
     def _next_token(self, w: Work) -> int:
         """A function of the sequence's last token and position: the same request gives the same output."""

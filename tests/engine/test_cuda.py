@@ -78,3 +78,21 @@ def test_padded_runner_on_cuda_matches_generate_and_measures_its_budget():
     for req, res in zip(reqs, engine.generate(reqs), strict=True):
         assert res.reason in ("length", "eos"), res.error
         assert_matches(model, req, list(res.token_ids), reference(model, req), tie=1e-3)
+
+
+@cuda
+def test_the_cuda_runner_overlaps_the_host_work_and_gives_the_same_tokens():
+    """On CUDA forward() returns once the kernels are queued: the last step's text and events are made
+    while they run (Engine._finish_deferred), and the device time comes from CUDA events."""
+    config = EngineConfig(
+        device="cuda", dtype="float32", attention="sdpa", max_batch_weight=2048, check_invariants=True
+    )
+    outputs = []
+    for asynchronous in (True, False):
+        engine = Engine(config)
+        assert engine.runner.asynchronous
+        engine.runner.asynchronous = asynchronous
+        reqs = mixed_requests(16, seed=7)
+        outputs.append([(f.token_ids, f.text, f.reason) for f in engine.generate(reqs)])
+        assert engine.stats()["forward_s"] > 0
+    assert outputs[0] == outputs[1]

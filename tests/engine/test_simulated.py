@@ -56,3 +56,57 @@ def test_a_worker_runs_jobs_on_the_simulated_device(service):
     text = "".join(job.stream(timeout=120))
     result = job.result(timeout=60)
     assert result["usage"]["completion_tokens"] == 16 and text == result["text"]
+
+
+def _mixed(tag: str, stop_id: int, stop_text: str) -> list[GenerationRequest]:
+    base = list(range(10, 40))
+    params = [
+        SamplingParams(max_new_tokens=20, ignore_eos=True),
+        SamplingParams(max_new_tokens=20, stop_token_ids=(stop_id,)),
+        SamplingParams(max_new_tokens=20, stop=(stop_text,)),
+    ]
+    return [GenerationRequest(f"{tag}{i}", prompt_token_ids=base, params=p) for i, p in enumerate(params)] + reqs(
+        5, tag + "x", max_new=12
+    )
+
+
+def _shape(events: dict) -> list:
+    return [(type(e), getattr(e, "index", None), getattr(e, "text", None)) for ev in events.values() for e in ev]
+
+
+def test_deferred_text_and_events_match_the_immediate_ones():
+    """The simulated device is asynchronous: a step's text and events are made during the next
+    forward. Outputs, finish reasons and each request's events must be what an immediate engine gives."""
+    config = EngineConfig(runner="simulated", max_batch_weight=2048, sim_step_cost="0.0005,0,0", check_invariants=True)
+    probe = Engine(config).generate(_mixed("probe", 0, "unused")[:1])[0]
+    stop_id, stop_text = probe.token_ids[6], probe.text[len(probe.text) // 2 :][:3] or probe.text
+    runs = []
+    for asynchronous in (True, False):
+        events: list = []
+        engine = Engine(config, sink=events.append)
+        engine.runner.asynchronous = asynchronous
+        finals = engine.generate(_mixed("m", stop_id, stop_text))
+        per_request = {f.request_id: [e for e in events if e.request_id == f.request_id] for f in finals}
+        runs.append((finals, per_request))
+        assert engine.idle() and engine.stats()["kv_blocks_used"] == 0
+    (deferred, d_events), (immediate, i_events) = runs
+    assert [(f.reason, f.token_ids, f.text) for f in deferred] == [(f.reason, f.token_ids, f.text) for f in immediate]
+    assert deferred[1].reason == "stop" and deferred[1].token_ids[-1] == stop_id
+    assert deferred[2].reason == "stop" and stop_text not in deferred[2].text
+    assert _shape(d_events) == _shape(i_events)
+
+
+def test_a_cancel_on_the_asynchronous_device_comes_after_the_tokens_already_made():
+    engine = Engine(EngineConfig(runner="simulated", max_batch_weight=2048, sim_step_cost="0.002,0,0"))
+    engine.start()
+    try:
+        handle = engine.submit(reqs(1, "c", max_new=1000)[0], stream=True)
+        events = handle.events(timeout=30)
+        seen = [next(events) for _ in range(3)]
+        engine.cancel("c0")
+        rest = list(events)
+    finally:
+        engine.stop()
+    tokens = seen + rest[:-1]
+    assert [e.index for e in tokens] == list(range(len(tokens)))
+    assert rest[-1].reason == "cancelled" and len(rest[-1].token_ids) == len(tokens)
