@@ -49,6 +49,11 @@ def celery_config(s: Settings, url: str | None = None) -> dict:
             "visibility_timeout": s.visibility_timeout_s,
             "unacked_restore_interval": s.restore_interval_s,
             "unacked_restore_throttle": 1,
+            # kombu holds this Redis lock while it restores expired messages, 300 s by default: a worker
+            # SIGKILLed inside that window stopped every worker's restores for five minutes (seen in CI:
+            # a poison job's redelivery never came). A restore takes milliseconds, and restoring a tag
+            # twice is prevented by kombu's WATCH transaction, so the lock may lapse soon.
+            "unacked_mutex_expire": 10,
             **sentinel.get("broker_transport_options", {}),
         },
         **({"result_backend_transport_options": sentinel["result_backend_transport_options"]} if sentinel else {}),

@@ -28,6 +28,7 @@ def test_celery_gets_the_master_name_and_weightqs_transport():
     assert conf["broker_transport"] == "app.transport:SentinelTransport"
     assert conf["broker_transport_options"]["master_name"] == "jobs"
     assert conf["broker_transport_options"]["visibility_timeout"] == s.visibility_timeout_s
+    assert conf["broker_transport_options"]["unacked_mutex_expire"] == 10  # a killed holder blocks restores
     assert conf["result_backend_transport_options"] == {"master_name": "jobs", "sentinel_kwargs": {"password": "pw"}}
     plain = celery_config(Settings(redis_url="redis://h:1/0"))
     assert plain["broker_transport"] == "app.transport:Transport" and "result_backend_transport_options" not in plain
