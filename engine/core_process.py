@@ -132,6 +132,17 @@ class EngineProcess:
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(5)
+        # A submit that raced the stop reached a child no longer reading: it ends as the others did.
+        with self._lock:
+            left = list(self._handles.values())
+            self._handles.clear()
+        for handle in left:
+            event = FinishEvent(handle.request_id, reason, "", (), 0, 0, 0.0, 0.0, 0.0, message)
+            if self.sink is not None:
+                self._to_sink(event, time.time())
+            handle._put(event)
+        if left and (flush := getattr(self.sink, "flush", None)) is not None:
+            flush()
 
     # ----- parent internals -------------------------------------------------------------------------
     def _send(self, msg: tuple) -> None:
