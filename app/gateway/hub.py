@@ -45,18 +45,13 @@ class StreamHub:
     def following(self) -> int:
         return len(self._followers)
 
-    async def follow(self, job_id: str, last_id: str = "0-0") -> AsyncIterator[tuple[str, dict[str, str]]]:
-        """(entry id, fields) of the job's stream after `last_id`, through its end or error entry."""
-        async for batch in self.follow_batches(job_id, last_id):
-            for item in batch:
-                yield item
-
     async def follow_batches(
         self, job_id: str, last_id: str = "0-0", idle_timeout_s: float | None = None
     ) -> AsyncIterator[list[tuple[str, dict[str, str]]]]:
-        """The same entries, as lists of all that have arrived by the time the follower looks: a
-        follower that falls behind catches up in one write per batch, not one per token. Raises
-        TimeoutError when nothing arrives for `idle_timeout_s`."""
+        """(entry id, fields) of the job's stream after `last_id`, through its end or error entry, as
+        lists of all that have arrived by the time the follower looks: a follower that falls behind
+        catches up in one write per batch, not one per token. Raises TimeoutError when nothing arrives
+        for `idle_timeout_s`."""
         key = stream_key(job_id)
         if key in self._followers:
             raise RuntimeError(f"job {job_id} already has a follower on this hub")
