@@ -205,23 +205,32 @@ class Durable:
             return max(self.replicas, 1)  # cannot tell now: ask for at least one, retry counting soon
 
     def run(self, script: Script, keys: list, args: list) -> Any:
+        return self.run_many(script, [(keys, args)])[0]
+
+    def run_many(self, script: Script, calls: list[tuple[list, list]]) -> list[Any]:
+        """The script once per (keys, args), in one round trip and, when asked, under one WAIT."""
         needed = self.needed()
         try:
-            if needed <= 0:
-                return script(keys=keys, args=args, client=self.client)
+            if needed <= 0 and len(calls) == 1:
+                return [script(keys=calls[0][0], args=calls[0][1], client=self.client)]
             pipe = self.client.pipeline(transaction=False)
-            script(keys=keys, args=args, client=pipe)
-            pipe.execute_command("WAIT", needed, self.timeout_ms)
-            result, acked = pipe.execute()
+            for keys, args in calls:
+                script(keys=keys, args=args, client=pipe)
+            if needed > 0:
+                pipe.execute_command("WAIT", needed, self.timeout_ms)
+            replies = pipe.execute()
         except redis.ResponseError as e:  # NOREPLICAS, READONLY...: retried as a lost connection is
             if not is_transient(e):
                 raise
             self._reconnect()
             raise NotReplicated(str(e)) from e
+        if needed <= 0:
+            return replies
+        *results, acked = replies
         if acked < needed:
             self._reconnect()
             raise NotReplicated(f"a write reached {acked} of the {needed} replicas REDIS_WAIT_REPLICAS asks for")
-        return result
+        return results
 
     def _reconnect(self) -> None:
         # Most likely a failover: this server is no longer the master, or lost its replicas. Idle

@@ -42,7 +42,7 @@ from bench.engine import requests, workload
 from bench.peer_client import omp_bind, peer_problem, peer_python
 from engine import Engine, EngineConfig
 from engine.builtin import builtin_path
-from tasks.contract import stream_key
+from tasks.contract import job_key, stream_key
 
 BUDGET = 65536  # KV tokens: every request of 256 fits at once; 1,024 queue behind it on both sides
 
@@ -150,14 +150,20 @@ def drive(base: str, model: str, work, redis_client=None) -> dict:
 
 def stages(redis_client, results: list[dict]) -> dict:
     """Where a streamed token's time goes, from the stream entries behind the SSE ids: the engine's
-    emit stamp (`ts`) -> written to Redis (the entry id's milliseconds) -> received by the HTTP client."""
+    emit stamp (`ts`) -> written to Redis (the entry id's milliseconds) -> received by the HTTP client;
+    and where a first token's goes: request sent -> job recorded (its `queued_at`) -> first emit."""
     emit_write: list[float] = []
     write_client: list[float] = []
+    intake: list[float] = []  # request sent -> job recorded in Redis (gateway and submit)
+    to_first: list[float] = []  # job recorded -> first token emitted (broker, worker, batcher, prefill)
     for r in results:
         if "error" in r or not r["event_ids"][0]:
             continue
         job_id = r["event_ids"][0].partition("/")[0]
         stamps = {eid.decode(): float(f[b"ts"]) for eid, f in redis_client.xrange(stream_key(job_id)) if b"ts" in f}
+        if (queued := redis_client.hget(job_key(job_id), "queued_at")) is not None and stamps:
+            intake.append(float(queued) - r["sent"])
+            to_first.append(min(stamps.values()) - float(queued))
         for arrived, event_id in zip(r["arrivals"], r["event_ids"], strict=True):
             entry = event_id.partition("/")[2]
             if entry not in stamps:
@@ -169,6 +175,8 @@ def stages(redis_client, results: list[dict]) -> dict:
         return {}
     ms = lambda xs, q: round(1000 * percentile(xs, q), 2)  # noqa: E731
     return {
+        **({"sent_to_queued_p50_ms": ms(intake, 50), "sent_to_queued_p99_ms": ms(intake, 99)} if intake else {}),
+        **({"queued_to_first_emit_p50_ms": ms(to_first, 50)} if to_first else {}),
         "emit_to_redis_p50_ms": ms(emit_write, 50),
         "emit_to_redis_p99_ms": ms(emit_write, 99),
         "redis_to_client_p50_ms": ms(write_client, 50),

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import redis
+from celery import Celery
 
 from app.redis_conn import Durable, connect, retrying
 from app.settings import Settings
@@ -142,6 +143,22 @@ class Job:
         return await asyncio.get_running_loop().run_in_executor(None, self.result, timeout)
 
 
+class ClientCelery(Celery):
+    """The client's Celery app. Celery's Redis backend subscribes to a task's result channel at every
+    send, so that a later .get() cannot miss it: two more commands and a pub/sub message per job, for a
+    result weightq's callers read from the stream's end entry. AsyncResult.get() subscribes, then reads
+    the stored state, by itself when it is called, so sending skips it."""
+
+    def _get_backend(self):
+        backend = super()._get_backend()
+        backend.on_task_call = _no_subscription  # the instance only: the backend class stays Celery's
+        return backend
+
+
+def _no_subscription(producer, task_id) -> None:
+    return None
+
+
 class Client:
     def __init__(self, redis_url: str | None = None, *, settings: Settings | None = None) -> None:
         self.settings = settings or Settings.from_env()
@@ -158,11 +175,9 @@ class Client:
     @property
     def app(self):
         if self._app is None:
-            from celery import Celery
-
             from app.celery import celery_config
 
-            self._app = Celery("weightq-client")
+            self._app = ClientCelery("weightq-client")
             self._app.config_from_object(celery_config(self.settings, self.url))
         return self._app
 
@@ -180,34 +195,45 @@ class Client:
         }
         if request_id is not None:
             request["request_id"] = request_id
-        parse_request(request)
-        job_id = request_id or uuid.uuid4().hex
+        return self.submit_many([request])[0]
+
+    def submit_many(self, requests: list[dict], *, checked: bool = False) -> list[Job]:
+        """Enqueue several requests (the submit() fields as dicts) in two Redis round trips, however many:
+        one pipeline records every job, one publishes every message. A bad request raises RequestError
+        before anything is written (checked: the caller has validated each one). The gateway sends the
+        requests that arrive together this way."""
+        if not checked:
+            for request in requests:
+                parse_request(request)
+        ids = [r.get("request_id") or uuid.uuid4().hex for r in requests]
+        now = repr(time.time())
+        s = self.settings
+        calls = [
+            ([job_key(job_id), QUEUED], [json.dumps(r), now, s.result_ttl_s, job_id])
+            for job_id, r in zip(ids, requests, strict=True)
+        ]
         # The request is kept with the job so that a worker can re-send a job whose message is lost
         # (app/worker/recovery.py): once this write is in, the job is accepted.
         # A restart or failover is waited out (REDIS_RETRY_S): once the job is recorded, giving up on its
-        # message would leave it to the lost-job sweep.
-        retrying(
-            lambda: self.durable.run(
-                self.submit_script,
-                [job_key(job_id), QUEUED],
-                [json.dumps(request), repr(time.time()), self.settings.result_ttl_s, job_id],
-            ),
-            self.settings.redis_retry_s,
-            pause_s=0.2,
-        )
-        retrying(
-            lambda: self.app.send_task(
-                TASK_NAME,
-                args=[request],
-                task_id=job_id,
-                queue=self.settings.queue,
-                argsrepr=args_repr(request),
-                kwargsrepr="{}",
-            ),
-            self.settings.redis_retry_s,
-            pause_s=0.2,
-        )
-        return Job(self, job_id)
+        # message would leave it to the lost-job sweep. As with any broker, a publish retried after a
+        # lost reply may deliver a message twice: delivery is at least once.
+        retrying(lambda: self.durable.run_many(self.submit_script, calls), s.redis_retry_s, pause_s=0.2)
+        retrying(lambda: self._publish(ids, requests), s.redis_retry_s, pause_s=0.2)
+        return [Job(self, job_id) for job_id in ids]
+
+    def _publish(self, ids: list[str], requests: list[dict]) -> None:
+        app = self.app
+        with app.producer_or_acquire() as producer, producer.batch(max_size=4 * len(ids)):
+            for job_id, request in zip(ids, requests, strict=True):
+                app.send_task(
+                    TASK_NAME,
+                    args=[request],
+                    task_id=job_id,
+                    queue=self.settings.queue,
+                    argsrepr=args_repr(request),
+                    kwargsrepr="{}",
+                    producer=producer,
+                )
 
     def job(self, job_id: str) -> Job:
         return Job(self, job_id)

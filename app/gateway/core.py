@@ -27,6 +27,7 @@ from tasks.schema import ID_PATTERN
 from .errors import HTTPError
 from .hub import StreamHub
 from .limits import ClientLimits, ServingLimits
+from .submitter import Submitter
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -41,6 +42,7 @@ class Gateway:
         self.settings = settings
         self.url = url or settings.resolved_redis_url()
         self.client = Client(self.url, settings=settings)
+        self.submitter = Submitter(self.client)
         self.model = settings.served_model_name or settings.model
         self.version = VERSION
         self.shutting_down = False
@@ -99,8 +101,7 @@ class Gateway:
             raise HTTPError(400, f"body is not valid JSON: {str(e)[:200]}", "body") from None
 
     async def submit(self, job: dict) -> str:
-        j = await asyncio.to_thread(self.client.submit, **job)
-        return j.id
+        return await self.submitter.submit(job)
 
     def cancel_soon(self, job_id: str) -> None:
         """Cancel from a worker thread: also safe inside a cancelled task's cleanup. Not while the

@@ -11,6 +11,7 @@ import redis
 
 from app.client import JobFailed
 from tasks.contract import job_key, stream_key
+from tasks.schema import RequestError
 
 
 def stream_entries(url: str, job_id: str) -> list[dict]:
@@ -27,7 +28,11 @@ def test_100_jobs_stream_and_match_the_in_process_engine(service, tiny_loaded, m
     assert w.stats()["runner"] == ("padded" if model.endswith("t5") else "paged")
     rng = random.Random(4)
     specs = [(f"job {i}: the scheduler " + "admits " * rng.randint(0, 30), rng.randint(1, 24)) for i in range(100)]
-    jobs = [service.client.submit(p, max_new_tokens=n, request_id=f"j{i}") for i, (p, n) in enumerate(specs)]
+    # Half one by one, half in one submit_many (the gateway's group commit): the same jobs either way.
+    jobs = [service.client.submit(p, max_new_tokens=n, request_id=f"j{i}") for i, (p, n) in enumerate(specs[:50])]
+    jobs += service.client.submit_many(
+        [{"prompt": p, "max_new_tokens": n, "request_id": f"j{i}"} for i, (p, n) in enumerate(specs) if i >= 50]
+    )
     config = EngineConfig(model=model, max_batch_weight=8192)
     local = Engine(config, loaded=tiny_loaded if model == "builtin:tiny" else None).generate(
         [
@@ -45,6 +50,15 @@ def test_100_jobs_stream_and_match_the_in_process_engine(service, tiny_loaded, m
         assert result["attempt"] == 1
         entries = stream_entries(service.url, job.id)
         assert entries[0] == {"type": "attempt", "attempt": "1"} and entries[-1]["type"] == "end"
+
+
+def test_submit_many_refuses_a_bad_request_before_writing_any(service):
+    good = {"prompt": "fine", "max_new_tokens": 4, "request_id": "many-ok"}
+    with pytest.raises(RequestError) as e:
+        service.client.submit_many([good, {"prompt": "hi", "temperatur": 0.5, "request_id": "many-bad"}])
+    assert e.value.field == "temperatur"
+    r = redis.Redis.from_url(service.url)
+    assert not r.exists(job_key("many-ok")) and r.llen(service.client.settings.queue) == 0
 
 
 def test_bad_requests_fail_clearly_and_the_worker_keeps_serving(service):
