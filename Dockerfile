@@ -12,7 +12,8 @@ COPY batcher batcher
 COPY bench bench
 COPY examples examples
 RUN pip install --no-cache-dir "torch==2.13.0" --extra-index-url "$TORCH_INDEX" \
- && pip install --no-cache-dir -e ".[$EXTRAS]"
+ && pip install --no-cache-dir -e ".[$EXTRAS]" \
+ && pip install --no-cache-dir --no-deps "xgrammar==0.2.8" "apache-tvm-ffi==0.1.15.post2"
 ENV WEIGHTQ_HOME=/data/weightq HF_HOME=/data/hf
 EXPOSE 8000 5555
 CMD ["weightq", "up", "--host", "0.0.0.0"]

@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml Makefile
 # HF's text-generation client pins huggingface-hub<1 while transformers 5 needs >=1.31; the client only
 # imports build_hf_headers, which hub 1.x and 2.x keep, so it goes in without its pins (tests only).
 	$(PY) -m pip install -q --no-deps "text-generation==0.7.0"
+# Structured output: xgrammar's wheel requires triton (~1 GB) on Linux, which only its CUDA kernel imports
+# (and guards); its CPU path needs apache-tvm-ffi alone (pydantic, numpy, torch, transformers are here).
+	$(PY) -m pip install -q --no-deps "xgrammar==0.2.8" "apache-tvm-ffi==0.1.15.post2"
 	touch $(STAMP)
 
 install: $(STAMP)

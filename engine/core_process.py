@@ -185,8 +185,8 @@ class EngineProcess:
 
     def _dispatch(self, emitted: float, tokens: list[tuple], finishes: list[FinishEvent]) -> None:
         sink, handles = self.sink, self._handles
-        for rid, index, token_id, text in tokens:
-            event = TokenEvent(rid, index, token_id, text)
+        for rid, index, token_id, text, logprobs in tokens:
+            event = TokenEvent(rid, index, token_id, text, logprobs)
             if sink is not None:
                 self._to_sink(event, emitted)
             handle = handles.get(rid)
@@ -244,7 +244,7 @@ class _StepSink:
 
     def __call__(self, event: Event) -> None:
         if isinstance(event, TokenEvent):
-            self.tokens.append((event.request_id, event.index, event.token_id, event.text))
+            self.tokens.append((event.request_id, event.index, event.token_id, event.text, event.logprobs))
         else:
             self.finishes.append(event)
 

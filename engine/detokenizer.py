@@ -87,3 +87,22 @@ class StopMatcher:
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
+
+
+class TokenTexts:
+    """Each token's own text (decoded alone, special tokens shown), as log-probabilities report it.
+    Cached: a step asks for up to 21 per request, from a vocabulary that repeats."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, ids: list[int]) -> list[str]:
+        cache = self._cache
+        missing = sorted({i for i in ids if i not in cache})
+        if missing:
+            rust = getattr(self.tokenizer, "_tokenizer", None)
+            decode = rust.decode if rust is not None and hasattr(rust, "decode") else self.tokenizer.decode
+            for i in missing:
+                cache[i] = decode([i], skip_special_tokens=False)
+        return [cache[i] for i in ids]

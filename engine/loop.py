@@ -19,13 +19,22 @@ import torch
 from batcher import Request, RequestRejected
 
 from .config import EngineConfig
-from .detokenizer import IncrementalDetokenizer, StopMatcher, push_many
+from .detokenizer import IncrementalDetokenizer, StopMatcher, TokenTexts, push_many
+from .grammar import Grammars
 from .handle import Handle
 from .models import LoadedModel
-from .params import Event, FinishEvent, FinishReason, GenerationRequest, InvalidRequest, TokenEvent
+from .params import (
+    Event,
+    FinishEvent,
+    FinishReason,
+    GenerationRequest,
+    InvalidRequest,
+    TokenEvent,
+    TokenLogprobs,
+)
 from .prompt import prompt_ids, render_chat
 from .runner import Work
-from .sampling import sample
+from .sampling import RowLogprobs, sample
 from .sequence import Sequence
 from .setup import build, on_fresh_thread
 from .warmup import warm_up
@@ -42,6 +51,7 @@ class Deferred:
     index: int
     has_text: bool  # False: an EOS or stop id, which ends its request without text
     reason: FinishReason | None  # the request ends here (already retired from the batcher)
+    logprobs: TokenLogprobs | None = None
 
 
 class Engine:
@@ -57,6 +67,10 @@ class Engine:
         self.backend, self.lm, self.runner, self.batcher = parts.backend, parts.lm, parts.runner, parts.batcher
         self.kv_derivation, self.max_input_length = parts.kv_derivation, parts.max_input_length
         self.tokenizer = self.lm.tokenizer
+        self.token_texts = TokenTexts(self.tokenizer)
+        head = self.lm.model.get_output_embeddings()
+        self.logits_width = int(head.weight.shape[0]) if head is not None else len(self.tokenizer)
+        self.grammars = Grammars(self.tokenizer, self.logits_width, self.token_texts)
         self.sink = sink
         self.seqs: dict[str, Sequence] = {}
         self._handles: dict[str, Handle] = {}
@@ -237,12 +251,16 @@ class Engine:
         runner.synchronize()
         fwd = self.runner.model_s - model_before
         emitted = [seqs[r.id] for r in self.batcher.complete(plan)]
-        tokens = sample(logits, emitted, self._generator) if emitted else []
+        tokens, rows = sample(logits, emitted, self._generator, self.lm.eos_token_ids) if emitted else ([], None)
+        for seq, tok in zip(emitted, tokens, strict=True):
+            if seq.grammar is not None:
+                seq.grammar.accept(tok)  # before the next step fills its mask
+        lps = self._logprobs(tokens, rows) if rows is not None else [None] * len(tokens)
         done = time.monotonic()
         if runner.asynchronous:
-            self._defer(emitted, tokens, done)
+            self._defer(emitted, tokens, done, lps)
         else:
-            self._accept_all(emitted, tokens, done)
+            self._accept_all(emitted, tokens, done, lps)
         if self.batcher.batch_weight() > self.batcher.budget:
             self.counters["overflow_steps"] += 1
         self._count(plan.prefill_tokens, len(plan.decode), fwd, time.perf_counter() - t_start)
@@ -250,7 +268,24 @@ class Engine:
             self._check_invariants()
         return True
 
-    def _accept_all(self, emitted: list[Sequence], tokens: list[int], done: float) -> None:
+    def _logprobs(self, tokens: list[int], rows: list[RowLogprobs | None]) -> list[TokenLogprobs | None]:
+        """The sampler's figures with each token's text (one cached decode pass for the step)."""
+        ids = [t for t, r in zip(tokens, rows, strict=True) if r is not None]
+        for r in rows:
+            if r is not None:
+                ids += r.top_ids
+        texts = iter(self.token_texts(ids))
+        chosen = {i: next(texts) for i, r in enumerate(rows) if r is not None}
+        out: list[TokenLogprobs | None] = [None] * len(rows)
+        for i, r in enumerate(rows):
+            if r is not None:
+                top = tuple(next(texts) for _ in r.top_ids)
+                out[i] = TokenLogprobs(chosen[i], r.logprob, r.top_ids, top, r.top_logprobs)
+        return out
+
+    def _accept_all(
+        self, emitted: list[Sequence], tokens: list[int], done: float, lps: list[TokenLogprobs | None]
+    ) -> None:
         """Detokenize and report a step's tokens now: one detokenizer pass for every token that has
         text; None marks an EOS or stop id that ends its request."""
         eos = self.lm.eos_token_ids
@@ -263,23 +298,26 @@ class Engine:
         pieces = push_many([emitted[i].detok for i in texting], [tokens[i] for i in texting])
         for i, piece in zip(texting, pieces, strict=True):
             deltas[i] = piece
-        for seq, tok, delta in zip(emitted, tokens, deltas, strict=True):
-            self._accept(seq, tok, delta, done)
+        for seq, tok, delta, lp in zip(emitted, tokens, deltas, lps, strict=True):
+            self._accept(seq, tok, delta, done, lp)
 
-    def _defer(self, emitted: list[Sequence], tokens: list[int], done: float) -> None:
+    def _defer(self, emitted: list[Sequence], tokens: list[int], done: float, lps: list[TokenLogprobs | None]) -> None:
         """An asynchronous device: record the step's tokens and retire the requests they end (so the
         next step's plan is exact), and leave their text and events to `_finish_deferred`, which runs
         while the device computes the next step. Requests with stop strings need their text to know
         whether they end: they are detokenized now."""
         eos = self.lm.eos_token_ids
-        now_seqs, now_tokens, later = [], [], []
-        for seq, tok in zip(emitted, tokens, strict=True):
+        now_seqs, now_tokens, now_lps, later = [], [], [], []
+        for seq, tok, lp in zip(emitted, tokens, lps, strict=True):
             params = seq.params
             if params.stop:
                 now_seqs.append(seq)
                 now_tokens.append(tok)
+                now_lps.append(lp)
                 continue
             seq.token_ids.append(tok)
+            if lp is not None:
+                seq.logprobs.append(lp)
             req = seq.sched
             if req.generated == 1:
                 seq.first_token_s = done
@@ -292,9 +330,9 @@ class Engine:
                 reason = "length"
             if reason is not None:
                 self._retire(seq, reason)
-            later.append(Deferred(seq, tok, req.generated - 1, reason is None or reason == "length", reason))
+            later.append(Deferred(seq, tok, req.generated - 1, reason is None or reason == "length", reason, lp))
         if now_seqs:
-            self._accept_all(now_seqs, now_tokens, done)
+            self._accept_all(now_seqs, now_tokens, done, now_lps)
         if later:
             self._deferred.append(later)
 
@@ -310,7 +348,7 @@ class Engine:
                 if d.reason is not None:
                     piece += seq.detok.flush()
                 seq.text += piece
-                self._emit(TokenEvent(seq.id, d.index, d.token, piece))
+                self._emit(TokenEvent(seq.id, d.index, d.token, piece, d.logprobs))
                 if d.reason is not None:
                     self._emit(self._finish_event(seq, d.reason))
 
@@ -323,6 +361,8 @@ class Engine:
         vocab = len(self.tokenizer)
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequest("stop_token_ids", f"every id must be an integer in [0, {vocab})")
+        if any(t >= self.logits_width for t, _ in params.logit_bias):
+            raise InvalidRequest("logit_bias", f"every key must be a token id in [0, {self.logits_width})")
         if len(ids) > self.max_input_length:
             raise InvalidRequest("prompt", f"{len(ids)} tokens exceeds max_input_length {self.max_input_length}")
         # An encoder-decoder's input is its encoder's: padded on its own, the batcher's fixed part.
@@ -331,7 +371,7 @@ class Engine:
         sched.runs_to_max = params.ignore_eos and not params.stop and not params.stop_token_ids
         self.batcher.check(sched)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        return Sequence(
+        seq = Sequence(
             request,
             sched,
             ids,
@@ -341,6 +381,9 @@ class Engine:
             gen,
             now,
         )
+        if params.guided is not None:
+            seq.grammar = self.grammars.guide(params.guided)  # compiled here, on the caller's thread
+        return seq
 
     def _drain(self) -> None:
         with self._cv:
@@ -363,9 +406,13 @@ class Engine:
             if seq is not None:
                 self._finish(seq, "cancelled")
 
-    def _accept(self, seq: Sequence, token: int, delta: str | None, now: float) -> None:
+    def _accept(
+        self, seq: Sequence, token: int, delta: str | None, now: float, lp: TokenLogprobs | None = None
+    ) -> None:
         """Record a sampled token; `delta` is its new text, None for an EOS or stop id that ends the request."""
         seq.token_ids.append(token)
+        if lp is not None:
+            seq.logprobs.append(lp)
         req = seq.sched
         if req.generated == 1:
             seq.first_token_s = now
@@ -386,7 +433,7 @@ class Engine:
             else:
                 piece += seq.stopper.flush()
         seq.text += piece
-        self._emit(TokenEvent(seq.id, req.generated - 1, token, piece))
+        self._emit(TokenEvent(seq.id, req.generated - 1, token, piece, lp))
         if reason is not None:
             self._finish(seq, reason)
 
@@ -423,6 +470,7 @@ class Engine:
             ttft_s=(seq.first_token_s - seq.submitted_s) if seq.first_token_s else 0.0,
             total_s=now - seq.submitted_s,
             error=error,
+            logprobs=tuple(seq.logprobs) if seq.params.logprobs is not None else None,
         )
 
     def _isolate(self, prefill: list[Work], decode: list[Work], error: Exception) -> torch.Tensor:

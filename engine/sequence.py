@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from batcher import Request
 
 from .detokenizer import IncrementalDetokenizer, StopMatcher
-from .params import FinishReason, GenerationRequest, SamplingParams
+from .params import FinishReason, GenerationRequest, SamplingParams, TokenLogprobs
 
 
 @dataclass(slots=True, eq=False)
@@ -27,6 +28,8 @@ class Sequence:
     admitted_s: float = 0.0
     first_token_s: float = 0.0
     finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, when asked for
+    grammar: Any = None  # structured output: its grammar.Guide, advanced with each token
 
     @property
     def id(self) -> str:

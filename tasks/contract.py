@@ -5,6 +5,8 @@ Keys (all expire; see Settings):
   weightq:stream:{id}  a Redis Stream of the job's entries, oldest first:
       {"type": "attempt", "attempt": n}                  written first by every run of the job
       {"type": "token", "i": index, "text": delta, "id": token id, "ts": engine emit time (unix s)}
+          and, when the request asks for logprobs, "lp": JSON [token text, logprob, top ids, top
+          tokens, top logprobs] (the model's log_softmax, best first)
       {"type": "end", "reason": ..., "result": JSON}     the last entry of a finished job
       {"type": "error", "message": ..., "field": ...}    the last entry of a failed job
   weightq:job:{id}     a hash: state (queued | running | done | cancelled), attempt, cancel, result,
@@ -19,7 +21,8 @@ A reader reads the stream from 0-0, so attaching late misses nothing. A job rest
 died writes a new attempt entry and regenerates its tokens from index 0; `Replay` drops the ones a
 reader already has (greedy and seeded runs regenerate the same tokens).
 
-The task `TASK_NAME` takes the request dict of tasks/schema.py and returns `result_dict`'s shape.
+The task `TASK_NAME` takes the request dict of tasks/schema.py and returns `result_dict`'s shape
+(with "logprobs", one "lp" list per output token, when the request asks for them).
 """
 
 from __future__ import annotations
@@ -173,6 +176,7 @@ def result_dict(ev: FinishEvent) -> dict[str, Any]:
             "total_tokens": ev.prompt_tokens + ev.completion_tokens,
         },
         "timings": {"queue_s": round(ev.queue_s, 6), "ttft_s": round(ev.ttft_s, 6), "total_s": round(ev.total_s, 6)},
+        **({"logprobs": [lp.as_json() for lp in ev.logprobs]} if ev.logprobs is not None else {}),
     }
 
 

@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 
 from engine import SamplingParams
+from engine.grammar import guided_spec
+from engine.params import GUIDED_KINDS, MAX_LOGPROBS
 
 MAX_PROMPT_CHARS = 1_000_000
 MAX_STOP = 32
@@ -18,6 +20,8 @@ MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_NEW_TOKENS = 1_000_000
 MAX_MESSAGES = 512
+MAX_LOGIT_BIAS = 1024  # entries
+MAX_GUIDED_CHARS = 65_536  # a schema or regex, as JSON
 ROLES = ("system", "user", "assistant", "tool")
 ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 FIELDS = {
@@ -34,6 +38,12 @@ FIELDS = {
     "stop",
     "stop_token_ids",
     "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "min_tokens",
+    "logprobs",
+    "guided",
 }
 
 
@@ -128,8 +138,12 @@ def parse_request(data: object) -> JobSpec:
     ignore_eos = data.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise RequestError("ignore_eos", "must be true or false")
+    max_new_tokens = _int(data, "max_new_tokens", 64, 1, MAX_NEW_TOKENS)
+    logprobs = data.get("logprobs")
+    if logprobs is not None:
+        logprobs = _int(data, "logprobs", 0, 0, MAX_LOGPROBS)
     params = SamplingParams(
-        max_new_tokens=_int(data, "max_new_tokens", 64, 1, MAX_NEW_TOKENS),
+        max_new_tokens=max_new_tokens,
         temperature=_float(data, "temperature", 0.0, 0.0, 100.0),
         top_k=_int(data, "top_k", 0, 0, 1_000_000),
         top_p=_float(data, "top_p", 1.0, 0.0, 1.0, open_lo=True),
@@ -138,8 +152,56 @@ def parse_request(data: object) -> JobSpec:
         stop=tuple(stop),
         ignore_eos=ignore_eos,
         stop_token_ids=tuple(stop_ids),
+        presence_penalty=_float(data, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_float(data, "frequency_penalty", 0.0, -2.0, 2.0),
+        logit_bias=_logit_bias(data.get("logit_bias")),
+        min_tokens=_int(data, "min_tokens", 0, 0, max_new_tokens),
+        logprobs=logprobs,
+        guided=_guided(data.get("guided")),
     )
+    if params.guided is not None and (params.ignore_eos or params.min_tokens):
+        raise RequestError("guided", "cannot be combined with ignore_eos or min_tokens (the grammar ends it)")
     return JobSpec(rid, prompt, list(ids) if ids is not None else None, params, messages)
+
+
+def _logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map of token id (a string in JSON) to a bias in [-100, 100]."""
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise RequestError("logit_bias", f"must be an object of at most {MAX_LOGIT_BIAS} token ids to numbers")
+    out = []
+    for key, value in bias.items():
+        tok = key if isinstance(key, int) and not isinstance(key, bool) else None
+        if isinstance(key, str) and key.isdigit() and len(key) <= 10:
+            tok = int(key)
+        if tok is None or not 0 <= tok < 2**31:
+            raise RequestError("logit_bias", f"keys must be token ids (got {str(key)[:32]!r})")
+        if not isinstance(value, int | float) or isinstance(value, bool) or not -100 <= value <= 100:
+            raise RequestError("logit_bias", f"values must be numbers in [-100, 100] (got {str(value)[:32]})")
+        out.append((tok, float(value)))
+    return tuple(sorted(out))
+
+
+def _guided(guided: object) -> tuple[str, str] | None:
+    """{"json_schema": schema}, {"json_object": true} or {"regex": pattern}: structured output."""
+    if guided is None:
+        return None
+    if not isinstance(guided, dict) or len(guided) != 1 or next(iter(guided)) not in GUIDED_KINDS:
+        raise RequestError("guided", f"must be an object with one of {', '.join(GUIDED_KINDS)}")
+    kind, value = next(iter(guided.items()))
+    if kind == "json_object" and value is not True:
+        raise RequestError("guided", "json_object must be true")
+    if kind == "json_schema" and not isinstance(value, dict | str):
+        raise RequestError("guided", "json_schema must be a JSON schema (an object, or its JSON text)")
+    if kind == "regex" and (not isinstance(value, str) or not value):
+        raise RequestError("guided", "regex must be a non-empty string")
+    spec = guided_spec(kind, value)
+    if len(spec[1]) > MAX_GUIDED_CHARS:
+        raise RequestError("guided", f"{len(spec[1])} characters exceeds {MAX_GUIDED_CHARS}")
+    if isinstance(value, str):
+        _utf8("guided", value)
+    return spec
 
 
 def _utf8(name: str, text: str) -> None:
