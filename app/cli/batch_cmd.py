@@ -8,6 +8,7 @@ from pathlib import Path
 
 from app.client import Client
 from app.client.batch import run_batch
+from app.gateway.openai_batch import OpenAIBatchLines
 from app.settings import Settings
 
 from .redis_server import ensure_redis
@@ -18,8 +19,9 @@ def batch_parser(sub: argparse._SubParsersAction) -> None:
         "batch",
         help="run a JSONL file of requests through the workers, writing results as they complete",
         description="Offline batch inference. Each input line is a request: prompt, messages or prompt_token_ids, "
-        'sampling parameters, optional "id". Rerun the same command to resume: ids already in the output are '
-        "skipped.",
+        'sampling parameters, optional "id"; or a line of OpenAI\'s Batch API (custom_id, method, url, body), '
+        "answered with OpenAI's batch output line. Rerun the same command to resume: ids already in the output "
+        "are skipped.",
     )
     p.add_argument("input", help="JSONL file of requests")
     p.add_argument("-o", "--output", required=True, help="JSONL file of results (appended; resumable)")
@@ -37,8 +39,14 @@ def cmd_batch(args: argparse.Namespace) -> int:
     if args.max_in_flight < 1:
         raise SystemExit("weightq batch: --max-in-flight must be >= 1")
     client = Client(ensure_redis(settings), settings=settings)
+    openai_lines = OpenAIBatchLines(settings.served_model_name or settings.model)
     summary, interrupted = run_batch(
-        src, Path(args.output), client, max_in_flight=args.max_in_flight, progress=not args.no_progress
+        src,
+        Path(args.output),
+        client,
+        max_in_flight=args.max_in_flight,
+        progress=not args.no_progress,
+        formats=[openai_lines],
     )
     if args.json:
         print(json.dumps(summary))

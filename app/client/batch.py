@@ -3,7 +3,9 @@
     weightq batch prompts.jsonl -o results.jsonl
 
 Each input line is a job request (tasks/schema.py: prompt, messages or prompt_token_ids, and
-sampling parameters) with an optional "id" (default: "line-N"). The file is streamed, with at most
+sampling parameters) with an optional "id" (default: "line-N"), or a line of another format the
+caller adds (`formats`: the CLI adds OpenAI's Batch API lines, app/gateway/openai_batch.py), detected
+line by line. The file is streamed, with at most
 --max-in-flight jobs queued at once, so its size does not matter. Each result is written (and
 flushed) as it completes; a bad line is recorded with its error and the run goes on. Rerunning with
 the same output skips ids already there, so an interrupted run resumes; Ctrl-C cancels the jobs in
@@ -22,7 +24,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any, Protocol
 
 from batcher.sim.simulator import percentile
 from tasks.contract import job_key
@@ -59,7 +61,8 @@ class Progress:
 
 
 def done_ids(output: Path) -> set[str]:
-    """Ids already in the output; a torn last line (killed mid-write) is cut off first."""
+    """Line ids already in the output (`custom_id` of OpenAI's lines, else `id`); a torn last line
+    (killed mid-write) is cut off first."""
     if not output.exists():
         return set()
     with open(output, "rb+") as f:
@@ -83,7 +86,8 @@ def done_ids(output: Path) -> set[str]:
     with open(output, encoding="utf-8", errors="replace") as f:
         for line in f:
             try:
-                ids.add(str(json.loads(line)["id"]))
+                record = json.loads(line)
+                ids.add(str(record["custom_id"] if "custom_id" in record else record["id"]))
             except (ValueError, KeyError, TypeError):
                 continue
     return ids
@@ -97,20 +101,61 @@ def count_lines(path: Path) -> int:
     return n
 
 
+class LineFormat(Protocol):
+    """One kind of input line: how to know it, name it, turn it into a job request, and write its outcome."""
+
+    def matches(self, obj: object) -> bool: ...
+
+    def line_id(self, obj: dict, n: int) -> str: ...
+
+    def request(self, obj: dict) -> dict:
+        """The job request; raises RequestError (naming the field) for a line that cannot run."""
+        ...
+
+    def done(self, line_id: str, obj: dict, job_id: str, result: dict) -> dict: ...
+
+    def failed(self, line_id: str, obj: dict | None, job_id: str | None, message: str, field: str | None) -> dict: ...
+
+
+class JobLines:
+    """weightq's own lines: a job request with an optional "id"; out, {"id", "result"} or {"id", "error"}."""
+
+    def matches(self, obj: object) -> bool:
+        return True
+
+    def line_id(self, obj: dict, n: int) -> str:
+        return str(obj.get("id", f"line-{n}"))
+
+    def request(self, obj: dict) -> dict:
+        req = {k: v for k, v in obj.items() if k != "id"}
+        parse_request(req)
+        return req
+
+    def done(self, line_id: str, obj: dict, job_id: str, result: dict) -> dict:
+        return {"id": line_id, "result": result}
+
+    def failed(self, line_id: str, obj: dict | None, job_id: str | None, message: str, field: str | None) -> dict:
+        return {"id": line_id, "error": {"message": message, "field": field}}
+
+
 class Interrupted(Exception):
     """Ctrl-C was pressed: raised at the run's next safe point, never inside a write."""
 
 
 class BatchRun:
-    def __init__(self, client: Client, output: IO[str], *, max_in_flight: int, bar=None) -> None:
+    def __init__(
+        self, client: Client, output: IO[str], *, max_in_flight: int, bar=None, formats: list[LineFormat] | None = None
+    ) -> None:
         self.client = client
         self.out = output
+        self.formats: list[LineFormat] = [*(formats or []), JobLines()]  # the first that matches a line
         # Set by the SIGINT handler and checked at safe points. A KeyboardInterrupt raised wherever the
         # signal lands can be swallowed (seen in CI: it landed in a Celery AsyncResult.__del__, where
         # Python only prints "Exception ignored", and the run went on to the end).
         self.stop = threading.Event()
         self.max_in_flight = max_in_flight
-        self.inflight: dict[str, tuple[str, float]] = {}  # job id -> (line id, submitted at)
+        # job id -> (line id, submitted at, the line, its format)
+        self.inflight: dict[str, tuple[str, float, dict, LineFormat]] = {}
         self.progress = Progress()
         self.bar = bar
         self.run_tag = uuid.uuid4().hex[:10]  # job ids are fresh per run: a resumed line never meets its old job
@@ -119,9 +164,9 @@ class BatchRun:
         self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
         self.out.flush()
 
-    def fail(self, line_id: str, message: str, field: str | None) -> None:
+    def fail(self, record: dict) -> None:
         self.progress.failed += 1
-        self.write({"id": line_id, "error": {"message": message, "field": field}})
+        self.write(record)
         self._tick()
 
     def check_stop(self) -> None:
@@ -133,31 +178,35 @@ class BatchRun:
             self.check_stop()
             if not line.strip():
                 continue
-            error = None
+            error: tuple[str, str] | None = None
             try:
-                req = json.loads(line)
+                obj: Any = json.loads(line)
             except ValueError as e:
-                req, error = None, f"line {n} is not JSON: {e}"
-            line_id = str(req.pop("id", f"line-{n}")) if isinstance(req, dict) else f"line-{n}"
+                obj, error = None, (f"line {n} is not JSON: {e}", "line")
+            else:
+                if not isinstance(obj, dict):
+                    error = (f"request: must be a JSON object (got {type(obj).__name__})", "request")
+            fmt = next(f for f in self.formats if f.matches(obj)) if error is None else self.formats[-1]
+            line_id = fmt.line_id(obj, n) if error is None else f"line-{n}"
             if line_id in skip:
                 self.progress.skipped += 1
                 self._tick()
                 continue
             if error is not None:
                 self.progress.refused += 1
-                self.fail(line_id, error, "line")
+                self.fail(fmt.failed(line_id, None, None, *error))
                 continue
             job_id = f"batch-{self.run_tag}-{n}"
             try:
-                parse_request(req)
+                req = fmt.request(obj)
                 while len(self.inflight) >= self.max_in_flight:
                     self.collect(wait=True)
                 self.client.submit(request_id=job_id, **req)
             except RequestError as e:
                 self.progress.refused += 1
-                self.fail(line_id, str(e), e.field)
+                self.fail(fmt.failed(line_id, obj, job_id, str(e), e.field))
                 continue
-            self.inflight[job_id] = (line_id, time.monotonic())
+            self.inflight[job_id] = (line_id, time.monotonic(), obj, fmt)
             self.progress.submitted += 1
         while self.inflight:
             self.collect(wait=True)
@@ -174,16 +223,16 @@ class BatchRun:
             if state not in (b"done", b"cancelled"):
                 continue
             ended += 1
-            line_id, t0 = self.inflight.pop(job_id)
+            line_id, t0, obj, fmt = self.inflight.pop(job_id)
             if result is None:
                 message = error.decode(errors="replace") if error else "the job ended without a result"
-                self.fail(line_id, message, fld.decode() if fld else None)
+                self.fail(fmt.failed(line_id, obj, job_id, message, fld.decode() if fld else None))
                 continue
             res = json.loads(result)
             self.progress.completed += 1
             self.progress.tokens += res.get("usage", {}).get("completion_tokens", 0)
             self.progress.latencies.append(time.monotonic() - t0)
-            self.write({"id": line_id, "result": res})
+            self.write(fmt.done(line_id, obj, job_id, res))
             self._tick()
         if wait and not ended:
             self.stop.wait(0.05)
@@ -206,7 +255,13 @@ class BatchRun:
 
 
 def run_batch(
-    input_path: Path, output_path: Path, client: Client, *, max_in_flight: int = 256, progress: bool = True
+    input_path: Path,
+    output_path: Path,
+    client: Client,
+    *,
+    max_in_flight: int = 256,
+    progress: bool = True,
+    formats: list[LineFormat] | None = None,
 ) -> tuple[dict, bool]:
     """Returns (summary, interrupted)."""
     from tqdm import tqdm
@@ -216,7 +271,7 @@ def run_batch(
     bar = tqdm(total=total, unit="req", file=sys.stderr, disable=not progress, dynamic_ncols=True)
     interrupted = False
     with open(output_path, "a", encoding="utf-8") as out, open(input_path, encoding="utf-8", errors="replace") as f:
-        run = BatchRun(client, out, max_in_flight=max_in_flight, bar=bar)
+        run = BatchRun(client, out, max_in_flight=max_in_flight, bar=bar, formats=formats)
         try:
             with _sigint_sets(run.stop):
                 run.submit_lines(enumerate(f, start=1), skip)

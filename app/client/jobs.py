@@ -23,6 +23,7 @@ from celery import Celery
 
 from app.redis_conn import Durable, connect, retrying
 from app.settings import Settings
+from engine.params import TokenLogprobs
 from tasks.contract import (
     CANCEL,
     CANCEL_CHANNEL,
@@ -57,6 +58,12 @@ class StreamEvent:
     @property
     def text(self) -> str:
         return self.data.get("text", "")
+
+    @property
+    def logprobs(self) -> TokenLogprobs | None:
+        """A token's log-probability and top alternatives, when the job asked (`logprobs=k`)."""
+        raw = self.data.get("lp")
+        return TokenLogprobs.from_json(json.loads(raw)) if raw else None
 
 
 def _decode(entry_id, raw: dict) -> StreamEvent:

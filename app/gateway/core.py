@@ -9,19 +9,18 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import redis
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from app.client import Client
 from app.metrics import WorkerCollector, live_workers
 from app.redis_conn import redacted
 from app.settings import Settings
-from tasks.contract import DEAD, HEARTBEATS, EntryType, Replay, is_end, job_key, outcome
+from tasks.contract import DEAD, HEARTBEATS, Replay, job_key, outcome
 from tasks.schema import ID_PATTERN
 
 from .errors import HTTPError
@@ -188,50 +187,11 @@ class Gateway:
             raise HTTPError(404, f"job {job_id} is unknown or expired", "Last-Event-ID", "not_found_error")
         return job_id, last_id
 
-    async def stream(
-        self, job_id: str, chunks: Callable[[str, dict], list[str]], last_id: str = "0-0"
-    ) -> StreamingResponse:
-        """An SSE response whose event ids are `<job id>/<entry id>`; the first entry is read before
-        answering, so a job the worker refuses is still a 4xx."""
-        batches = self.batches(job_id, last_id)
+    async def results(self, request: Request, job_ids: list[str]) -> list[dict]:
+        """Every job's result, in order; a failure (or the client leaving) cancels the others."""
         try:
-            first = await anext(batches)
-            while first and first[0][1].get("type") == EntryType.ATTEMPT:
-                first = first[1:] or await anext(batches)
+            return list(await asyncio.gather(*(self.result(request, j) for j in job_ids)))
         except BaseException:
-            await batches.aclose()
-            self.cancel_soon(job_id)
+            for job_id in job_ids:
+                self.cancel_soon(job_id)
             raise
-        if first[0][1].get("type") == EntryType.ERROR and last_id == "0-0":
-            await batches.aclose()
-            outcome(first[0][1])  # raises JobFailed: a refused request answers 4xx, not a stream
-
-        async def body() -> AsyncIterator[str]:
-            finished = False
-            self.streams_open.inc()
-            try:
-                batch = first
-                while True:
-                    lines: list[str] = []
-                    for eid, f in batch:
-                        lines += chunks(f"{job_id}/{eid}", f)
-                        if is_end(f):
-                            finished = True
-                            break
-                    if lines:
-                        yield "".join(lines)  # one write for every entry that was waiting
-                    if finished:
-                        return
-                    batch = await anext(batches)
-            finally:
-                self.streams_open.dec()
-                await batches.aclose()
-                if not finished:
-                    self.cancel_soon(job_id)
-
-        return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-def sse(data: dict | str, event_id: str | None = None) -> str:
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    return (f"id: {event_id}\n" if event_id else "") + f"data: {payload}\n\n"

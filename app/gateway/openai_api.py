@@ -13,16 +13,19 @@ from tasks.schema import RequestError, field_name
 # Accepted and ignored: they change nothing about the generation.
 IGNORED = {"user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls"}
 # Extensions beyond OpenAI (as vLLM accepts them), passed through to the job.
-EXTRAS = {"top_k", "repetition_penalty", "ignore_eos", "stop_token_ids"}
+EXTRAS = {"top_k", "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens"}
+PASSED = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "logit_bias")
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed"} | IGNORED | EXTRAS
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix", "presence_penalty",
-                              "frequency_penalty", "logit_bias"}  # fmt: skip
+                              "frequency_penalty", "logit_bias", "response_format"}  # fmt: skip
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "presence_penalty",
                         "frequency_penalty", "logit_bias", "response_format", "tools", "tool_choice"}  # fmt: skip
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
 
 
-CLIENT_FIELDS = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"}  # job field -> what a client sent
+# job field -> what a client sent
+MAX_CHOICES = 128  # choices per request: prompts x n
+CLIENT_FIELDS = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt", "guided": "response_format"}
 
 
 def _refuse_unless(body: dict, name: str, allowed: tuple) -> None:
@@ -39,50 +42,95 @@ def _common(body: dict, fields: set[str], served_model: str) -> dict:
     model = body.get("model")
     if model is not None and model != served_model:
         raise RequestError("model", f"model {model!r} is not served here (serving {served_model!r})")
-    _refuse_unless(body, "n", (1, None))
-    _refuse_unless(body, "presence_penalty", (0, 0.0, None))
-    _refuse_unless(body, "frequency_penalty", (0, 0.0, None))
-    _refuse_unless(body, "logit_bias", ({}, None))
+    n = body.get("n")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES):
+        raise RequestError("n", f"must be an integer between 1 and {MAX_CHOICES} (got {str(n)[:32]})")
     if not isinstance(body.get("stream", False), bool | None):
         raise RequestError("stream", "must be true or false")
     opts = body.get("stream_options")
     if opts is not None and (not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}):
         raise RequestError("stream_options", "must be an object with include_usage")
     job: dict = {"temperature": 1.0}  # OpenAI's default; 0 is greedy
-    for name in ("temperature", "top_p", "seed", "stop", *sorted(EXTRAS)):
+    for name in (*PASSED, *sorted(EXTRAS)):
         if body.get(name) is not None:
             job[name] = body[name]
+    if (guided := _response_format(body.get("response_format"))) is not None:
+        job["guided"] = guided
     return job
+
+
+def _response_format(fmt: object) -> dict | None:
+    """OpenAI's response_format as the job's `guided` (structured output), or None for plain text."""
+    if fmt is None or fmt == {"type": "text"}:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise RequestError("response_format", "json_schema must be an object with a `schema` object")
+        return {"json_schema": spec["schema"]}
+    raise RequestError("response_format", "type must be text, json_object or json_schema")
 
 
 def completion_job(body: dict, served_model: str) -> dict:
     job = _common(body, COMPLETION_FIELDS, served_model)
     _refuse_unless(body, "echo", (False, None))
-    _refuse_unless(body, "logprobs", (None,))
+    if body.get("logprobs") is not None:
+        job["logprobs"] = body["logprobs"]  # the top alternatives per token (the job schema bounds it)
     _refuse_unless(body, "best_of", (1, None))
     _refuse_unless(body, "suffix", (None,))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
+        prompt = prompt[0]  # a batch of one (completion_jobs splits longer ones)
     if isinstance(prompt, str):
         job["prompt"] = prompt
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         job["prompt_token_ids"] = prompt
     else:
-        raise RequestError("prompt", "must be a string or a list of token ids (one prompt per request)")
+        raise RequestError("prompt", "must be a string, a list of token ids, or a list of those")
     job["max_new_tokens"] = body.get("max_tokens") if body.get("max_tokens") is not None else 16
     return job
 
 
+def completion_jobs(body: dict, served_model: str) -> list[dict]:
+    """One job per choice: each prompt of a list, `n` times (choice index = prompt index x n + i)."""
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    several = isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt)
+    prompts = prompt if several else [prompt]
+    return _samples([completion_job({**body, "prompt": p}, served_model) for p in prompts], body)
+
+
+def chat_jobs(body: dict, served_model: str) -> list[dict]:
+    return _samples([chat_job(body, served_model)], body)
+
+
+def _samples(jobs: list[dict], body: dict) -> list[dict]:
+    """`n` jobs per prompt; with a seed, sample i draws with seed + i (reproducible, and distinct)."""
+    n = body.get("n") or 1
+    if len(jobs) * n > MAX_CHOICES:
+        raise RequestError("n", f"{len(jobs)} prompts x n={n} exceeds {MAX_CHOICES} choices per request")
+    out = []
+    for job in jobs:
+        for i in range(n):
+            out.append({**job, "seed": job["seed"] + i} if "seed" in job and i else job)
+    return out
+
+
 def chat_job(body: dict, served_model: str) -> dict:
     job = _common(body, CHAT_FIELDS, served_model)
-    _refuse_unless(body, "logprobs", (False, None))
-    _refuse_unless(body, "top_logprobs", (None,))
+    if body.get("logprobs") not in (None, True, False):
+        raise RequestError("logprobs", "must be true or false")
+    top = body.get("top_logprobs")
+    if top is not None and not body.get("logprobs"):
+        raise RequestError("top_logprobs", "needs logprobs: true")
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20):
+        raise RequestError("top_logprobs", f"must be an integer between 0 and 20 (got {str(top)[:32]})")
+    if body.get("logprobs"):
+        job["logprobs"] = 0 if top is None else top
     _refuse_unless(body, "tools", (None, []))
     _refuse_unless(body, "tool_choice", (None, "none"))
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise RequestError("response_format", "only {'type': 'text'} is supported")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages", "must be a non-empty list of messages")
@@ -106,26 +154,66 @@ def _message(i: int, m: object) -> object:
 
 
 # ----- responses ------------------------------------------------------------------------------------
-def usage(result: dict) -> dict:
-    u = result.get("usage", {})
-    p, c = u.get("prompt_tokens", 0), u.get("completion_tokens", 0)
+def usage(result: dict | list[dict], n: int = 1) -> dict:
+    """Summed over the choices; a prompt sampled `n` times counts its tokens once (as vLLM's does)."""
+    results = result if isinstance(result, list) else [result]
+    us = [r.get("usage", {}) for r in results]
+    p = sum(u.get("prompt_tokens", 0) for u in us[::n])
+    c = sum(u.get("completion_tokens", 0) for u in us)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def completion_response(job_id: str, model: str, result: dict, *, chat: bool) -> dict:
-    finish = FINISH.get(result.get("finish_reason", "stop"), "stop")
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": result["text"]}, "finish_reason": finish}
-    else:
-        choice = {"index": 0, "text": result["text"], "finish_reason": finish, "logprobs": None}
+def completion_logprobs(lps: list[list], offset: int = 0) -> dict:
+    """The completions API's shape; each top_logprobs map holds the chosen token too, as OpenAI's does."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, logprob, _, top_tokens, top_logprobs in lps:
+        out["tokens"].append(token)
+        out["token_logprobs"].append(logprob)
+        top: dict[str, float] = {token: logprob}
+        for t, v in zip(top_tokens, top_logprobs, strict=True):  # tokens alike in text (e.g. partial
+            top[t] = max(v, top.get(t, v))  # characters, "\ufffd") share one key: the likelier wins
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(token)
+    return out
+
+
+def chat_logprobs(lps: list[list]) -> dict:
+    def entry(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", "surrogatepass"))}
+
+    return {
+        "content": [
+            entry(token, logprob) | {"top_logprobs": [entry(t, v) for t, v in zip(tops, values, strict=True)]}
+            for token, logprob, _, tops, values in lps
+        ]
+    }
+
+
+def completion_response(job_id: str, model: str, result: dict | list[dict], *, chat: bool, n: int = 1) -> dict:
+    """The body for one result, or for several (choice i is results[i]; `n` choices per prompt)."""
+    results = result if isinstance(result, list) else [result]
     return {
         "id": response_id(job_id, chat),
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
-        "usage": usage(result),
+        "choices": [_choice(i, r, chat) for i, r in enumerate(results)],
+        "usage": usage(results, n),
     }
+
+
+def _choice(index: int, result: dict, chat: bool) -> dict:
+    finish = FINISH.get(result.get("finish_reason", "stop"), "stop")
+    lps = result.get("logprobs")
+    if chat:
+        choice = {"index": index, "message": {"role": "assistant", "content": result["text"]}, "finish_reason": finish}
+        choice["logprobs"] = chat_logprobs(lps) if lps is not None else None
+    else:
+        choice = {"index": index, "text": result["text"], "finish_reason": finish, "logprobs": None}
+        if lps is not None:
+            choice["logprobs"] = completion_logprobs(lps)
+    return choice
 
 
 def response_id(job_id: str, chat: bool) -> str:
@@ -133,7 +221,7 @@ def response_id(job_id: str, chat: bool) -> str:
 
 
 class ChunkWriter:
-    """Builds the streamed chunks of one response, in OpenAI's format."""
+    """Builds the streamed chunks of one response, in OpenAI's format (one or several choices)."""
 
     def __init__(self, job_id: str, model: str, *, chat: bool, resumed: bool = False) -> None:
         self.base = {
@@ -143,26 +231,38 @@ class ChunkWriter:
             "model": model,
         }
         self.chat = chat
-        self.started = resumed  # a resumed stream already had its first (role-bearing) chunk
+        self.resumed = resumed  # a resumed stream already had its first (role-bearing) chunk
+        self.started: set[int] = set()  # choices whose first chunk went out
+        self.offsets: dict[int, int] = {}  # text_offset of each choice's next token (completions' logprobs)
 
-    def delta(self, text: str) -> dict:
+    def delta(self, text: str, lp: list | None = None, index: int = 0) -> dict:
+        """A chunk of text; with `lp` (a token entry's logprobs), that token's."""
         if self.chat:
             delta = {"content": text}
-            if not self.started:
+            if not self._started(index):
                 delta = {"role": "assistant", "content": text}
-            choice = {"index": 0, "delta": delta, "finish_reason": None}
+            choice = {"index": index, "delta": delta, "finish_reason": None}
+            if lp is not None:
+                choice["logprobs"] = chat_logprobs([lp])
         else:
-            choice = {"index": 0, "text": text, "finish_reason": None, "logprobs": None}
-        self.started = True
+            choice = {"index": index, "text": text, "finish_reason": None, "logprobs": None}
+            if lp is not None:
+                offset = self.offsets.get(index, 0)
+                choice["logprobs"] = completion_logprobs([lp], offset)
+                self.offsets[index] = offset + len(lp[0])
+        self.started.add(index)
         return self.base | {"choices": [choice]}
 
-    def finish(self, result: dict) -> dict:
+    def finish(self, result: dict, index: int = 0) -> dict:
         reason = FINISH.get(result.get("finish_reason", "stop"), "stop")
         if self.chat:
-            choice = {"index": 0, "delta": {} if self.started else {"role": "assistant", "content": ""}}
+            choice = {"index": index, "delta": {} if self._started(index) else {"role": "assistant", "content": ""}}
         else:
-            choice = {"index": 0, "text": "", "logprobs": None}
+            choice = {"index": index, "text": "", "logprobs": None}
         return self.base | {"choices": [choice | {"finish_reason": reason}]}
 
-    def usage(self, result: dict) -> dict:
-        return self.base | {"choices": [], "usage": usage(result)}
+    def usage(self, result: dict | list[dict], n: int = 1) -> dict:
+        return self.base | {"choices": [], "usage": usage(result, n)}
+
+    def _started(self, index: int) -> bool:
+        return self.resumed or index in self.started

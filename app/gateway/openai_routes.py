@@ -3,13 +3,28 @@ request and response shapes are openai_api.py's."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tasks.contract import EntryType, outcome
 
-from . import openai_api
-from .core import Gateway, sse
+from . import openai_api, streams
+from .core import Gateway
+from .errors import HTTPError
+from .streams import sse
+
+
+def token_chunks(writer: openai_api.ChunkWriter, index: int, entry_id: str, f: dict) -> list[str]:
+    if "lp" in f:  # every token has a chunk, its text empty while a character is incomplete
+        return [sse(writer.delta(f.get("text", ""), json.loads(f["lp"]), index), entry_id)]
+    return [sse(writer.delta(f.get("text", ""), index=index), entry_id)] if f.get("text") else []
+
+
+def error_chunk(f: dict) -> dict:
+    return {"error": {"message": f.get("message", "error"), "type": "server_error", "param": f.get("field")}}
 
 
 def register(app: FastAPI, gw: Gateway) -> None:
@@ -22,9 +37,12 @@ def register(app: FastAPI, gw: Gateway) -> None:
 
     async def completions(request: Request, chat: bool) -> Response:
         body = await gw.body(request)
-        job = openai_api.chat_job(body, gw.model) if chat else openai_api.completion_job(body, gw.model)
-        gw.serving.check(job, "max_tokens")
-        job_id, last_id = await gw.start(request, job, bool(body.get("stream")))
+        jobs = openai_api.chat_jobs(body, gw.model) if chat else openai_api.completion_jobs(body, gw.model)
+        for job in jobs:
+            gw.serving.check(job, "max_tokens")
+        if len(jobs) > 1:
+            return await several(request, body, jobs, chat)
+        job_id, last_id = await gw.start(request, jobs[0], bool(body.get("stream")))
         if not body.get("stream"):
             result = await gw.result(request, job_id)
             return JSONResponse(openai_api.completion_response(job_id, gw.model, result, chat=chat))
@@ -34,7 +52,7 @@ def register(app: FastAPI, gw: Gateway) -> None:
         def chunks(entry_id: str, f: dict) -> list[str]:
             kind = f.get("type")
             if kind == EntryType.TOKEN:
-                return [sse(writer.delta(f.get("text", "")), entry_id)] if f.get("text") else []
+                return token_chunks(writer, 0, entry_id, f)
             if kind == EntryType.END:
                 result = outcome(f)
                 out = [sse(writer.finish(result), entry_id)]
@@ -42,11 +60,40 @@ def register(app: FastAPI, gw: Gateway) -> None:
                     out.append(sse(writer.usage(result)))
                 return [*out, sse("[DONE]")]
             if kind == EntryType.ERROR:
-                err = {"error": {"message": f.get("message", "error"), "type": "server_error", "param": f.get("field")}}
-                return [sse(err, entry_id), sse("[DONE]")]
+                return [sse(error_chunk(f), entry_id), sse("[DONE]")]
             return []
 
-        return await gw.stream(job_id, chunks, last_id)
+        return await streams.stream(gw, job_id, chunks, last_id)
+
+    async def several(request: Request, body: dict, jobs: list[dict], chat: bool) -> Response:
+        """Several choices (a list of prompts, or n > 1): one job each, answered together."""
+        n = body.get("n") or 1
+        if body.get("stream") and request.headers.get("last-event-id"):
+            raise HTTPError(400, "Last-Event-ID resumes a single-choice stream", "Last-Event-ID")
+        ids = list(await asyncio.gather(*(gw.submit(job) for job in jobs)))  # one group commit
+        if not body.get("stream"):
+            results = await gw.results(request, ids)
+            return JSONResponse(openai_api.completion_response(ids[0], gw.model, results, chat=chat, n=n))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        writer = openai_api.ChunkWriter(ids[0], gw.model, chat=chat)
+        results: dict[int, dict] = {}
+
+        def chunks(i: int, entry_id: str, f: dict) -> list[str]:
+            kind = f.get("type")
+            if kind == EntryType.TOKEN:
+                return token_chunks(writer, i, entry_id, f)
+            if kind == EntryType.END:
+                results[i] = outcome(f)
+                return [sse(writer.finish(results[i], i), entry_id)]
+            if kind == EntryType.ERROR:
+                return [sse(error_chunk(f), entry_id)]
+            return []
+
+        def tail() -> list[str]:
+            done = [results[i] for i in sorted(results)]
+            return ([sse(writer.usage(done, n))] if include_usage and len(done) == len(ids) else []) + [sse("[DONE]")]
+
+        return await streams.stream_many(gw, ids, chunks, tail)
 
     @app.post("/v1/completions")
     async def completion(request: Request) -> Response:

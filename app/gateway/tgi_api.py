@@ -3,6 +3,8 @@ back (the routes are tgi_routes.py's)."""
 
 from __future__ import annotations
 
+import json
+
 from tasks.schema import RequestError, field_name
 
 PARAMETERS = {
@@ -15,7 +17,13 @@ FINISH = {"eos": "eos_token", "stop": "stop_sequence", "length": "length", "canc
 
 CLIENT_FIELDS = {  # job field -> what a client sent
     name: f"parameters.{name}" for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
-} | {"prompt": "inputs", "repetition_penalty": "parameters.repetition_penalty"}
+} | {
+    "prompt": "inputs",
+    "repetition_penalty": "parameters.repetition_penalty",
+    "frequency_penalty": "parameters.frequency_penalty",
+    "logprobs": "parameters.top_n_tokens",
+    "guided": "parameters.grammar",
+}
 
 
 def _refuse_unless(params: dict, name: str, allowed: tuple) -> None:
@@ -23,8 +31,9 @@ def _refuse_unless(params: dict, name: str, allowed: tuple) -> None:
         raise RequestError(f"parameters.{name}", f"not supported by weightq (allowed: {', '.join(map(repr, allowed))})")
 
 
-def job_request(body: object) -> tuple[dict, dict]:
-    """(job request, the TGI parameters) of a /generate body."""
+def job_request(body: object, stream: bool = False) -> tuple[dict, dict]:
+    """(job request, the TGI parameters) of a /generate body. Token log-probabilities are asked for
+    whenever TGI would show them: in details, and in every streamed token."""
     if not isinstance(body, dict):
         raise RequestError("body", "must be a JSON object")
     unknown = sorted(set(body) - {"inputs", "parameters", "stream"})
@@ -40,14 +49,11 @@ def job_request(body: object) -> tuple[dict, dict]:
     if unknown:
         raise RequestError(f"parameters.{field_name(unknown[0])}", "unknown parameter")
     for name, allowed in (
-        ("frequency_penalty", (None, 0, 0.0)),
         ("truncate", (None,)),
         ("typical_p", (None,)),
         ("best_of", (None, 1)),
         ("watermark", (None, False)),
         ("decoder_input_details", (None, False)),
-        ("top_n_tokens", (None, 0)),
-        ("grammar", (None,)),
         ("adapter_id", (None,)),
     ):
         _refuse_unless(params, name, allowed)
@@ -55,24 +61,48 @@ def job_request(body: object) -> tuple[dict, dict]:
     sample = params.get("do_sample") or any(params.get(k) is not None for k in ("temperature", "top_k", "top_p"))
     if sample:
         job["temperature"] = 1.0 if params.get("temperature") is None else params["temperature"]
-    for name in ("max_new_tokens", "repetition_penalty", "seed", "top_k", "top_p"):
+    for name in ("max_new_tokens", "repetition_penalty", "frequency_penalty", "seed", "top_k", "top_p"):
         if params.get(name) is not None:
             job[name] = params[name]
+    grammar = params.get("grammar")
+    if grammar is not None:  # TGI's {type: json, value: schema} or {type: regex, value: pattern}
+        kind = grammar.get("type") if isinstance(grammar, dict) else None
+        if kind not in ("json", "regex") or "value" not in grammar:
+            raise RequestError("parameters.grammar", "must be {type: json | regex, value: ...}")
+        job["guided"] = {"regex" if kind == "regex" else "json_schema": grammar["value"]}
+    top_n = params.get("top_n_tokens")
+    if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or not 0 <= top_n <= 20):
+        raise RequestError("parameters.top_n_tokens", f"must be an integer between 0 and 20 (got {str(top_n)[:32]})")
+    if stream or params.get("details") or top_n:
+        job["logprobs"] = top_n or 0
     if params.get("stop"):
         job["stop"] = params["stop"]
     job.setdefault("max_new_tokens", 100)  # TGI's default
     return job, params
 
 
-def details(result: dict, tokens: list[dict], seed: int | None) -> dict:
-    return {
+def details(result: dict, tokens: list[dict], seed: int | None, top: list[list[dict]] | None = None) -> dict:
+    out = {
         "finish_reason": FINISH.get(result.get("finish_reason", "length"), "length"),
         "generated_tokens": result["usage"]["completion_tokens"],
         "seed": seed,
         "prefill": [],
         "tokens": tokens,
     }
+    if top:
+        out["top_tokens"] = top
+    return out
 
 
 def token(fields: dict, special: bool = False) -> dict:
-    return {"id": int(fields.get("id", 0)), "text": fields.get("text", ""), "logprob": None, "special": special}
+    lp = json.loads(fields["lp"]) if "lp" in fields else None
+    logprob = lp[1] if lp is not None else None
+    return {"id": int(fields.get("id", 0)), "text": fields.get("text", ""), "logprob": logprob, "special": special}
+
+
+def top_tokens(fields: dict) -> list[dict]:
+    """TGI's top_n_tokens alternatives of a token entry, best first."""
+    if "lp" not in fields:
+        return []
+    _, _, ids, texts, values = json.loads(fields["lp"])
+    return [{"id": i, "text": t, "logprob": v, "special": False} for i, t, v in zip(ids, texts, values, strict=True)]

@@ -8,8 +8,10 @@ from fastapi.responses import JSONResponse, Response
 
 from tasks.contract import EntryType, outcome
 
-from .core import Gateway, sse
-from .tgi_api import details, job_request, token
+from . import streams
+from .core import Gateway
+from .streams import sse
+from .tgi_api import details, job_request, token, top_tokens
 
 
 def register(app: FastAPI, gw: Gateway) -> None:
@@ -18,11 +20,13 @@ def register(app: FastAPI, gw: Gateway) -> None:
         gw.serving.check(job, "parameters.max_new_tokens")
         job_id = await gw.submit(job)
         tokens: list[dict] = []
+        tops: list[list[dict]] = []
 
         async def collect() -> dict:
             async for _, f in gw.events(job_id):
                 if f.get("type") == EntryType.TOKEN:
                     tokens.append(token(f))
+                    tops.append(top_tokens(f))
                 elif (result := outcome(f)) is not None:  # raises JobFailed on an error entry
                     return result
             raise RuntimeError("stream ended without a result")
@@ -35,11 +39,11 @@ def register(app: FastAPI, gw: Gateway) -> None:
             text = job["prompt"] + text
         out: dict = {"generated_text": text}
         if params.get("details") or as_list:
-            out["details"] = details(result, tokens, params.get("seed"))
+            out["details"] = details(result, tokens, params.get("seed"), tops if params.get("top_n_tokens") else None)
         return JSONResponse([out] if as_list else out)
 
     async def generate_stream(request: Request, body: dict) -> Response:
-        job, params = job_request(body)
+        job, params = job_request(body, stream=True)
         gw.serving.check(job, "parameters.max_new_tokens")
         job_id, last_id = await gw.start(request, job, True)
         want_details = bool(params.get("details"))
@@ -48,7 +52,10 @@ def register(app: FastAPI, gw: Gateway) -> None:
         def chunks(entry_id: str, f: dict) -> list[str]:
             kind = f.get("type")
             if kind == EntryType.TOKEN:
-                return [sse({"token": token(f), "generated_text": None, "details": None}, entry_id)]
+                event = {"token": token(f), "generated_text": None, "details": None}
+                if params.get("top_n_tokens"):
+                    event["top_tokens"] = top_tokens(f)
+                return [sse(event, entry_id)]
             if kind == EntryType.END:
                 # TGI sends the last token with the full text; our end entry carries no token, so a last
                 # event repeats nothing: it has an empty special token, the text and the details.
@@ -62,7 +69,7 @@ def register(app: FastAPI, gw: Gateway) -> None:
                 return [sse({"error": f.get("message", "error"), "error_type": "generation"}, entry_id)]
             return []
 
-        return await gw.stream(job_id, chunks, last_id)
+        return await streams.stream(gw, job_id, chunks, last_id)
 
     @app.post("/generate")
     async def generate_route(request: Request) -> Response:

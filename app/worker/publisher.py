@@ -129,6 +129,8 @@ class StreamPublisher:
                     "id": ev.token_id,
                     "ts": f"{emitted:.6f}",
                 }
+                if ev.logprobs is not None:  # [token, logprob, top ids, top tokens, top logprobs]
+                    fields["lp"] = json.dumps(ev.logprobs.as_json(), separators=(",", ":"))
                 out.append((key, fields, None))
         return out
 

@@ -101,3 +101,57 @@ def test_ctrl_c_leaves_a_valid_file_and_a_rerun_finishes(service, tmp_path):
     ids = [r["id"] for r in read_output(out)]
     assert sorted(ids) == sorted(f"q{i}" for i in range(80))  # each exactly once
     assert done_ids(out) == set(ids)
+
+
+def test_openai_batch_files_give_openai_shaped_lines(service, tmp_path):
+    """200 mixed lines of OpenAI's Batch API format (chat, completions, some invalid), run unchanged."""
+    from app.gateway.openai_batch import OpenAIBatchLines
+
+    service.worker().wait_ready()
+    src, out = tmp_path / "openai.jsonl", tmp_path / "openai-out.jsonl"
+    bad = {
+        7: ({"url": "/v1/embeddings"}, "url"),
+        19: ({"method": "GET"}, "method"),
+        23: ({"body": {"prompt": "x", "max_tokens": -2}}, "max_tokens"),
+        41: ({"body": {"prompt": "x", "n": 3}}, "n"),
+        77: ({"body": {"prompt": "x", "stream": True}}, "stream"),
+        99: ({"body": {"prompt": [5] * 3000, "max_tokens": 4}}, "prompt"),  # refused by the worker
+    }
+    with open(src, "w") as f:
+        for i in range(200):
+            chat = i % 3 == 0
+            body = {"model": "builtin:tiny", "max_tokens": 6, "temperature": 0}
+            body |= {"messages": [{"role": "user", "content": f"q{i}"}]} if chat else {"prompt": f"line {i}:"}
+            line = {"custom_id": f"req-{i}", "method": "POST", "body": body}
+            line["url"] = "/v1/chat/completions" if chat else "/v1/completions"
+            change, _ = bad.get(i, ({}, None))
+            if "body" in change:
+                line["body"] = {"model": "builtin:tiny", **change["body"]}
+                line["url"] = "/v1/completions"
+            line |= {k: v for k, v in change.items() if k != "body"}
+            f.write(json.dumps(line) + "\n")
+        f.write("[1, 2]\n")  # JSON, not a request of either kind
+    summary, _ = run_batch(src, out, service.client, max_in_flight=32, progress=False,
+                           formats=[OpenAIBatchLines("builtin:tiny")])  # fmt: skip
+    lines = read_output(out)
+    assert len(lines) == 201 and summary["completed"] == 194 and summary["failed"] == 7
+    by_id = {r.get("custom_id", r.get("id")): r for r in lines}
+    for i in range(200):
+        r = by_id[f"req-{i}"]
+        assert set(r) == {"id", "custom_id", "response", "error"} and r["error"] is None
+        resp = r["response"]
+        assert resp["request_id"] and r["id"] == f"batch_req_{resp['request_id']}"
+        if i in bad:
+            assert resp["status_code"] == 400 and resp["body"]["error"]["param"] == bad[i][1], (i, resp)
+            continue
+        body = resp["body"]
+        assert resp["status_code"] == 200 and body["model"] == "builtin:tiny"
+        if i % 3 == 0:
+            assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
+        else:
+            assert body["object"] == "text_completion" and isinstance(body["choices"][0]["text"], str)
+        assert 0 < body["usage"]["completion_tokens"] <= 6
+    assert by_id["line-201"]["error"]["field"] == "request"  # the native format's record
+    summary, _ = run_batch(src, out, service.client, max_in_flight=32, progress=False,
+                           formats=[OpenAIBatchLines("builtin:tiny")])  # fmt: skip
+    assert summary["skipped"] == 201 and len(read_output(out)) == 201  # resume by custom_id
