@@ -12,29 +12,27 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from batcher import Request, RequestRejected
 
 from .config import EngineConfig
-from .detokenizer import IncrementalDetokenizer, StopMatcher, TokenTexts, push_many
+from .detokenizer import IncrementalDetokenizer, StopMatcher, TokenTexts
 from .grammar import Grammars
 from .handle import Handle
 from .models import LoadedModel
+from .outputs import Deferred, StepOutputs
 from .params import (
     Event,
     FinishEvent,
     FinishReason,
     GenerationRequest,
     InvalidRequest,
-    TokenEvent,
-    TokenLogprobs,
 )
 from .prompt import prompt_ids, render_chat
 from .runner import Work
-from .sampling import RowLogprobs, sample
+from .sampling import sample
 from .sequence import Sequence
 from .setup import build, on_fresh_thread
 from .warmup import warm_up
@@ -42,19 +40,7 @@ from .warmup import warm_up
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class Deferred:
-    """A sampled token whose text and event wait for the next forward (an asynchronous device)."""
-
-    seq: Sequence
-    token: int
-    index: int
-    has_text: bool  # False: an EOS or stop id, which ends its request without text
-    reason: FinishReason | None  # the request ends here (already retired from the batcher)
-    logprobs: TokenLogprobs | None = None
-
-
-class Engine:
+class Engine(StepOutputs):
     def __init__(
         self,
         config: EngineConfig | None = None,
@@ -268,90 +254,6 @@ class Engine:
             self._check_invariants()
         return True
 
-    def _logprobs(self, tokens: list[int], rows: list[RowLogprobs | None]) -> list[TokenLogprobs | None]:
-        """The sampler's figures with each token's text (one cached decode pass for the step)."""
-        ids = [t for t, r in zip(tokens, rows, strict=True) if r is not None]
-        for r in rows:
-            if r is not None:
-                ids += r.top_ids
-        texts = iter(self.token_texts(ids))
-        chosen = {i: next(texts) for i, r in enumerate(rows) if r is not None}
-        out: list[TokenLogprobs | None] = [None] * len(rows)
-        for i, r in enumerate(rows):
-            if r is not None:
-                top = tuple(next(texts) for _ in r.top_ids)
-                out[i] = TokenLogprobs(chosen[i], r.logprob, r.top_ids, top, r.top_logprobs)
-        return out
-
-    def _accept_all(
-        self, emitted: list[Sequence], tokens: list[int], done: float, lps: list[TokenLogprobs | None]
-    ) -> None:
-        """Detokenize and report a step's tokens now: one detokenizer pass for every token that has
-        text; None marks an EOS or stop id that ends its request."""
-        eos = self.lm.eos_token_ids
-        texting = [
-            i
-            for i, (s, t) in enumerate(zip(emitted, tokens, strict=True))
-            if (t not in eos or s.params.ignore_eos) and t not in s.params.stop_token_ids
-        ]
-        deltas: list[str | None] = [None] * len(emitted)
-        pieces = push_many([emitted[i].detok for i in texting], [tokens[i] for i in texting])
-        for i, piece in zip(texting, pieces, strict=True):
-            deltas[i] = piece
-        for seq, tok, delta, lp in zip(emitted, tokens, deltas, lps, strict=True):
-            self._accept(seq, tok, delta, done, lp)
-
-    def _defer(self, emitted: list[Sequence], tokens: list[int], done: float, lps: list[TokenLogprobs | None]) -> None:
-        """An asynchronous device: record the step's tokens and retire the requests they end (so the
-        next step's plan is exact), and leave their text and events to `_finish_deferred`, which runs
-        while the device computes the next step. Requests with stop strings need their text to know
-        whether they end: they are detokenized now."""
-        eos = self.lm.eos_token_ids
-        now_seqs, now_tokens, now_lps, later = [], [], [], []
-        for seq, tok, lp in zip(emitted, tokens, lps, strict=True):
-            params = seq.params
-            if params.stop:
-                now_seqs.append(seq)
-                now_tokens.append(tok)
-                now_lps.append(lp)
-                continue
-            seq.token_ids.append(tok)
-            if lp is not None:
-                seq.logprobs.append(lp)
-            req = seq.sched
-            if req.generated == 1:
-                seq.first_token_s = done
-            reason: FinishReason | None = None
-            if tok in params.stop_token_ids:
-                reason = "stop"
-            elif tok in eos and not params.ignore_eos:
-                reason = "eos"
-            elif req.generated >= req.max_new_tokens:
-                reason = "length"
-            if reason is not None:
-                self._retire(seq, reason)
-            later.append(Deferred(seq, tok, req.generated - 1, reason is None or reason == "length", reason, lp))
-        if now_seqs:
-            self._accept_all(now_seqs, now_tokens, done, now_lps)
-        if later:
-            self._deferred.append(later)
-
-    def _finish_deferred(self) -> None:
-        """Text and events of deferred steps, in order (before any other event of their requests)."""
-        while self._deferred:
-            batch = self._deferred.pop(0)
-            texting = [d for d in batch if d.has_text]
-            pieces = iter(push_many([d.seq.detok for d in texting], [d.token for d in texting]))
-            for d in batch:
-                seq = d.seq
-                piece = next(pieces) if d.has_text else ""
-                if d.reason is not None:
-                    piece += seq.detok.flush()
-                seq.text += piece
-                self._emit(TokenEvent(seq.id, d.index, d.token, piece, d.logprobs))
-                if d.reason is not None:
-                    self._emit(self._finish_event(seq, d.reason))
-
     def _prepare(self, request: GenerationRequest, now: float) -> Sequence:
         params = request.params
         params.validate()
@@ -406,37 +308,6 @@ class Engine:
             if seq is not None:
                 self._finish(seq, "cancelled")
 
-    def _accept(
-        self, seq: Sequence, token: int, delta: str | None, now: float, lp: TokenLogprobs | None = None
-    ) -> None:
-        """Record a sampled token; `delta` is its new text, None for an EOS or stop id that ends the request."""
-        seq.token_ids.append(token)
-        if lp is not None:
-            seq.logprobs.append(lp)
-        req = seq.sched
-        if req.generated == 1:
-            seq.first_token_s = now
-        reason: FinishReason | None = None
-        if delta is None:
-            reason, piece = ("stop" if token in seq.params.stop_token_ids else "eos"), ""
-        else:
-            piece, stopped = seq.stopper.feed(delta)
-            if stopped:
-                reason = "stop"
-            elif req.generated >= req.max_new_tokens:
-                reason = "length"
-        if reason in ("eos", "length") or (reason == "stop" and delta is None):
-            tail, stopped = seq.stopper.feed(seq.detok.flush())
-            piece += tail
-            if stopped:
-                reason = "stop"
-            else:
-                piece += seq.stopper.flush()
-        seq.text += piece
-        self._emit(TokenEvent(seq.id, req.generated - 1, token, piece, lp))
-        if reason is not None:
-            self._finish(seq, reason)
-
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         self._finish_deferred()  # its earlier tokens' events go first
         self._retire(seq, reason)
@@ -455,23 +326,6 @@ class Engine:
         self.runner.release(seq)
         del self.seqs[rid]
         self.counters["finished"] += 1
-
-    def _finish_event(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> FinishEvent:
-        now = time.monotonic()
-        out = seq.output_ids
-        return FinishEvent(
-            seq.id,
-            reason,
-            seq.text,
-            tuple(out),
-            seq.prompt_len,
-            len(out),
-            queue_s=(seq.admitted_s or now) - seq.submitted_s,
-            ttft_s=(seq.first_token_s - seq.submitted_s) if seq.first_token_s else 0.0,
-            total_s=now - seq.submitted_s,
-            error=error,
-            logprobs=tuple(seq.logprobs) if seq.params.logprobs is not None else None,
-        )
 
     def _isolate(self, prefill: list[Work], decode: list[Work], error: Exception) -> torch.Tensor:
         """The packed forward failed: run each sequence's work alone, fail the ones that still fail
