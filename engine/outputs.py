@@ -88,12 +88,7 @@ class StepOutputs:
                 now_tokens.append(tok)
                 now_lps.append(lp)
                 continue
-            seq.token_ids.append(tok)
-            if lp is not None:
-                seq.logprobs.append(lp)
-            req = seq.sched
-            if req.generated == 1:
-                seq.first_token_s = done
+            req = _record(seq, tok, lp, done)
             reason: FinishReason | None = None
             if tok in params.stop_token_ids:
                 reason = "stop"
@@ -129,12 +124,7 @@ class StepOutputs:
         self, seq: Sequence, token: int, delta: str | None, now: float, lp: TokenLogprobs | None = None
     ) -> None:
         """Record a sampled token; `delta` is its new text, None for an EOS or stop id that ends the request."""
-        seq.token_ids.append(token)
-        if lp is not None:
-            seq.logprobs.append(lp)
-        req = seq.sched
-        if req.generated == 1:
-            seq.first_token_s = now
+        req = _record(seq, token, lp, now)
         reason: FinishReason | None = None
         if delta is None:
             reason, piece = ("stop" if token in seq.params.stop_token_ids else "eos"), ""
@@ -172,3 +162,14 @@ class StepOutputs:
             error=error,
             logprobs=tuple(seq.logprobs) if seq.params.logprobs is not None else None,
         )
+
+
+def _record(seq: Sequence, token: int, lp: TokenLogprobs | None, now: float):
+    """Append a sampled token (and its log-probabilities); returns the request's batcher view."""
+    seq.token_ids.append(token)
+    if lp is not None:
+        seq.logprobs.append(lp)
+    req = seq.sched
+    if req.generated == 1:
+        seq.first_token_s = now
+    return req
