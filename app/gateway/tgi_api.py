@@ -4,6 +4,7 @@ back (the routes are tgi_routes.py's)."""
 from __future__ import annotations
 
 import json
+import random
 
 from tasks.schema import RequestError, field_name
 
@@ -12,6 +13,7 @@ PARAMETERS = {
     "temperature", "top_k", "top_p", "truncate", "typical_p", "best_of", "watermark", "details",
     "decoder_input_details", "top_n_tokens", "grammar", "adapter_id",
 }  # fmt: skip
+MAX_BEST_OF = 16
 FINISH = {"eos": "eos_token", "stop": "stop_sequence", "length": "length", "cancelled": "length"}
 
 
@@ -51,7 +53,6 @@ def job_request(body: object, stream: bool = False) -> tuple[dict, dict]:
     for name, allowed in (
         ("truncate", (None,)),
         ("typical_p", (None,)),
-        ("best_of", (None, 1)),
         ("watermark", (None, False)),
         ("decoder_input_details", (None, False)),
         ("adapter_id", (None,)),
@@ -70,15 +71,33 @@ def job_request(body: object, stream: bool = False) -> tuple[dict, dict]:
         if kind not in ("json", "regex") or "value" not in grammar:
             raise RequestError("parameters.grammar", "must be {type: json | regex, value: ...}")
         job["guided"] = {"regex" if kind == "regex" else "json_schema": grammar["value"]}
+    best_of = params.get("best_of")
+    if best_of is not None:
+        if not isinstance(best_of, int) or isinstance(best_of, bool) or not 1 <= best_of <= MAX_BEST_OF:
+            raise RequestError("parameters.best_of", f"must be an integer between 1 and {MAX_BEST_OF}")
+        if best_of > 1 and not sample:
+            raise RequestError("parameters.best_of", "needs sampling (do_sample, or a temperature, top_k or top_p)")
+        if best_of > 1 and stream:
+            raise RequestError("parameters.best_of", "cannot be used with streaming")
+        if best_of > 1 and params.get("seed") is not None:  # as TGI: each sample gets a seed of its own
+            raise RequestError("parameters.seed", "must not be set when best_of > 1")
     top_n = params.get("top_n_tokens")
     if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or not 0 <= top_n <= 20):
         raise RequestError("parameters.top_n_tokens", f"must be an integer between 0 and 20 (got {str(top_n)[:32]})")
-    if stream or params.get("details") or top_n:
+    if stream or params.get("details") or top_n or (best_of or 1) > 1:  # best_of ranks by logprob
         job["logprobs"] = top_n or 0
     if params.get("stop"):
         job["stop"] = params["stop"]
     job.setdefault("max_new_tokens", 100)  # TGI's default
     return job, params
+
+
+def best_of_jobs(job: dict, best_of: int) -> list[dict]:
+    """`best_of` samples of the job, each with a seed of its own (reported in its details)."""
+    if best_of == 1:
+        return [job]
+    base = random.getrandbits(62)
+    return [{**job, "seed": base + i} for i in range(best_of)]
 
 
 def details(result: dict, tokens: list[dict], seed: int | None, top: list[list[dict]] | None = None) -> dict:

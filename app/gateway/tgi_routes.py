@@ -3,6 +3,8 @@ the `text_generation` client posts to) on the gateway's jobs; the shapes are tgi
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -11,35 +13,54 @@ from tasks.contract import EntryType, outcome
 from . import streams
 from .core import Gateway
 from .streams import sse
-from .tgi_api import details, job_request, token, top_tokens
+from .tgi_api import best_of_jobs, details, job_request, token, top_tokens
 
 
 def register(app: FastAPI, gw: Gateway) -> None:
     async def generate(request: Request, body: dict, *, as_list: bool) -> Response:
         job, params = job_request(body)
         gw.serving.check(job, "parameters.max_new_tokens")
-        job_id = await gw.submit(job)
-        tokens: list[dict] = []
-        tops: list[list[dict]] = []
+        samples = best_of_jobs(job, params.get("best_of") or 1)
+        ids = list(await asyncio.gather(*(gw.submit(j) for j in samples)))  # one group commit
+        collected: list[tuple[dict, list[dict], list[list[dict]]]] = []
 
-        async def collect() -> dict:
+        async def collect(job_id: str) -> tuple[dict, list[dict], list[list[dict]]]:
+            tokens: list[dict] = []
+            tops: list[list[dict]] = []
             async for _, f in gw.events(job_id):
                 if f.get("type") == EntryType.TOKEN:
                     tokens.append(token(f))
                     tops.append(top_tokens(f))
                 elif (result := outcome(f)) is not None:  # raises JobFailed on an error entry
-                    return result
+                    if result.get("finish_reason") == "eos" and tokens:
+                        tokens[-1]["special"] = True
+                    return result, tokens, tops
             raise RuntimeError("stream ended without a result")
 
-        result = await gw.wait(request, job_id, collect())
-        if result.get("finish_reason") == "eos" and tokens:
-            tokens[-1]["special"] = True
-        text = result["text"]
-        if params.get("return_full_text"):
-            text = job["prompt"] + text
-        out: dict = {"generated_text": text}
+        try:
+            for item in await asyncio.gather(*(gw.wait(request, j, collect(j)) for j in ids)):
+                collected.append(item)
+        except BaseException:
+            for job_id in ids:
+                gw.cancel_soon(job_id)
+            raise
+        # best_of: the sample whose tokens are likeliest under the model (TGI's choice), the others listed
+        best = max(range(len(collected)), key=lambda i: sum(t["logprob"] or 0.0 for t in collected[i][1]))
+        prefix = job["prompt"] if params.get("return_full_text") else ""
+        top_n = bool(params.get("top_n_tokens"))
+
+        def sequence_details(i: int) -> dict:
+            result, tokens, tops = collected[i]
+            return details(result, tokens, samples[i].get("seed", params.get("seed")), tops if top_n else None)
+
+        out: dict = {"generated_text": prefix + collected[best][0]["text"]}
         if params.get("details") or as_list:
-            out["details"] = details(result, tokens, params.get("seed"), tops if params.get("top_n_tokens") else None)
+            out["details"] = sequence_details(best)
+            if len(collected) > 1:
+                others = [i for i in range(len(collected)) if i != best]
+                out["details"]["best_of_sequences"] = [
+                    {"generated_text": prefix + collected[i][0]["text"], **sequence_details(i)} for i in others
+                ]
         return JSONResponse([out] if as_list else out)
 
     async def generate_stream(request: Request, body: dict) -> Response:

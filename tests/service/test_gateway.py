@@ -255,6 +255,13 @@ def test_tgi_client_generate_and_stream(stack):
     assert all(t.logprob is not None and t.logprob <= 0 for t in detailed.details.tokens)
     assert [len(top) for top in detailed.details.top_tokens] == [2] * len(detailed.details.tokens)
     assert all(r.token.logprob is not None for r in streamed if not r.token.special)
+    best = stack.tgi.generate("The scheduler admits", max_new_tokens=8, do_sample=True, best_of=3)
+    seqs = [best.details, *best.details.best_of_sequences]
+    assert len(seqs) == 3 and len({s.seed for s in seqs}) == 3  # each sample has a seed of its own
+    score = [sum(t.logprob for t in s.tokens) for s in seqs]
+    assert score[0] == max(score)  # the likeliest sample is the answer
+    with pytest.raises(ValidationError, match="best_of"):
+        stack.tgi.generate("x", max_new_tokens=4, best_of=2)  # greedy: nothing to choose from
     info = httpx.get(stack.base + "/info", headers=stack.headers).json()
     assert info["model_id"] == "builtin:tiny" and info["max_batch_total_tokens"] == 8192 and info["workers"] == 1
 
