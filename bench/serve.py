@@ -42,7 +42,7 @@ from bench.engine import requests, workload
 from bench.peer_client import omp_bind, peer_problem, peer_python
 from engine import Engine, EngineConfig
 from engine.builtin import builtin_path
-from tasks.contract import job_key, stream_key
+from tasks.contract import EntryType, job_key, stream_key
 
 BUDGET = 65536  # KV tokens: every request of 256 fits at once; 1,024 queue behind it on both sides
 
@@ -156,14 +156,22 @@ def stages(redis_client, results: list[dict]) -> dict:
     write_client: list[float] = []
     intake: list[float] = []  # request sent -> job recorded in Redis (gateway and submit)
     to_first: list[float] = []  # job recorded -> first token emitted (broker, worker, batcher, prefill)
+    to_start: list[float] = []  # job recorded -> its task began (broker and Celery's consumer)
+    start_to_first: list[float] = []  # task began -> first token emitted (engine queue, batcher, prefill)
     for r in results:
         if "error" in r or not r["event_ids"][0]:
             continue
         job_id = r["event_ids"][0].partition("/")[0]
-        stamps = {eid.decode(): float(f[b"ts"]) for eid, f in redis_client.xrange(stream_key(job_id)) if b"ts" in f}
+        entries = redis_client.xrange(stream_key(job_id))
+        stamps = {eid.decode(): float(f[b"ts"]) for eid, f in entries if b"ts" in f}
         if (queued := redis_client.hget(job_key(job_id), "queued_at")) is not None and stamps:
             intake.append(float(queued) - r["sent"])
             to_first.append(min(stamps.values()) - float(queued))
+            attempt = EntryType.ATTEMPT.encode()
+            begun = [int(eid.split(b"-")[0]) / 1000 for eid, f in entries if f.get(b"type") == attempt]
+            if begun:  # the task began (its attempt entry): broker + consumer, then worker + engine
+                to_start.append(begun[0] - float(queued))
+                start_to_first.append(min(stamps.values()) - begun[0])
         for arrived, event_id in zip(r["arrivals"], r["event_ids"], strict=True):
             entry = event_id.partition("/")[2]
             if entry not in stamps:
@@ -177,6 +185,15 @@ def stages(redis_client, results: list[dict]) -> dict:
     return {
         **({"sent_to_queued_p50_ms": ms(intake, 50), "sent_to_queued_p99_ms": ms(intake, 99)} if intake else {}),
         **({"queued_to_first_emit_p50_ms": ms(to_first, 50)} if to_first else {}),
+        **(
+            {
+                "queued_to_started_p50_ms": ms(to_start, 50),
+                "queued_to_started_p99_ms": ms(to_start, 99),
+                "started_to_first_emit_p50_ms": ms(start_to_first, 50),
+            }
+            if to_start
+            else {}
+        ),
         "emit_to_redis_p50_ms": ms(emit_write, 50),
         "emit_to_redis_p99_ms": ms(emit_write, 99),
         "redis_to_client_p50_ms": ms(write_client, 50),
