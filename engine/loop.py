@@ -235,6 +235,8 @@ class Engine(StepOutputs):
             logits = self._isolate(prefill, decode, e)
         self._finish_deferred()  # the last step's text and events, while an asynchronous device computes
         runner.synchronize()
+        if runner.prompt_logprobs and runner.prompt_rows:
+            self._prompt_logprobs(runner.prompt_rows)
         fwd = self.runner.model_s - model_before
         emitted = [seqs[r.id] for r in self.batcher.complete(plan)]
         tokens, rows = sample(logits, emitted, self._generator, self.lm.eos_token_ids) if emitted else ([], None)
@@ -263,6 +265,8 @@ class Engine(StepOutputs):
         vocab = len(self.tokenizer)
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequest("stop_token_ids", f"every id must be an integer in [0, {vocab})")
+        if params.prompt_logprobs is not None and not self.runner.prompt_logprobs:
+            raise InvalidRequest("prompt_logprobs", f"not available on the {self.lm.runner} runner")
         if any(t >= self.logits_width for t, _ in params.logit_bias):
             raise InvalidRequest("logit_bias", f"every key must be a token id in [0, {self.logits_width})")
         if len(ids) > self.max_input_length:

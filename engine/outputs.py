@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from .detokenizer import TokenTexts, push_many
 from .params import FinishEvent, FinishReason, TokenEvent, TokenLogprobs
 from .sampling import RowLogprobs
@@ -55,6 +57,30 @@ class StepOutputs:
                 top = tuple(next(texts) for _ in r.top_ids)
                 out[i] = TokenLogprobs(chosen[i], r.logprob, r.top_ids, top, r.top_logprobs)
         return out
+
+    def _prompt_logprobs(self, rows: list[tuple[Sequence, int, torch.Tensor]]) -> None:
+        """Log-probabilities of prompt tokens from a step's prompt rows (row i of a chunk starting at
+        position p predicts token p + i + 1). A prompt prefilled again (after a preemption) adds nothing."""
+        for seq, first, logits in rows:
+            have = seq.prompt_logprobs
+            if not have:  # the first token: nothing predicts it
+                have.append(TokenLogprobs(self.token_texts(seq.token_ids[:1])[0], None))
+            skip = len(have) - (first + 1)  # rows already recorded
+            if skip >= len(logits):
+                continue
+            logits = logits[max(skip, 0) :]
+            first += max(skip, 0)
+            targets = seq.token_ids[first + 1 : first + 1 + len(logits)]
+            lp = logits.log_softmax(-1)
+            chosen = lp.gather(1, torch.tensor(targets)[:, None]).squeeze(1).tolist()
+            k = seq.params.prompt_logprobs or 0
+            top_vals, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+            vals, ids = top_vals.tolist(), top_ids.tolist()
+            texts = iter(self.token_texts(targets + [i for row in ids for i in row]))
+            names = [next(texts) for _ in targets]
+            for j, tok_text in enumerate(names):
+                tops = tuple(next(texts) for _ in ids[j])
+                have.append(TokenLogprobs(tok_text, chosen[j], tuple(ids[j]), tops, tuple(vals[j])))
 
     def _accept_all(
         self, emitted: list[Sequence], tokens: list[int], done: float, lps: list[TokenLogprobs | None]
@@ -161,6 +187,8 @@ class StepOutputs:
             total_s=now - seq.submitted_s,
             error=error,
             logprobs=tuple(seq.logprobs) if seq.params.logprobs is not None else None,
+            prompt_logprobs=tuple(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
+            prompt_token_ids=tuple(seq.token_ids[: seq.prompt_len]) if seq.params.prompt_logprobs is not None else None,
         )
 
 

@@ -135,6 +135,7 @@ class PaddedRunner:
 
     # ----- the step -------------------------------------------------------------------------------
     can_isolate = False  # every running row is in every step: a failed step fails them all
+    prompt_logprobs = False  # prompts are prefilled keeping the last position's logits alone
 
     def forward(self, prefill: list[Work], decode: list[Work]) -> torch.Tensor:
         try:

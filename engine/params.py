@@ -39,6 +39,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     min_tokens: int = 0  # EOS and stop_token_ids are held back until this many tokens are out
     logprobs: int | None = None  # report each token's log-probability and this many top alternatives
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (the first has none)
     # structured output: (kind, spec) with kind json_schema (spec: the schema as JSON), json_object or
     # regex; decoding is constrained to the grammar, and the request ends when it is complete
     guided: tuple[str, str] | None = None
@@ -94,8 +95,10 @@ class SamplingParams:
                 raise InvalidRequest("guided", f"must be one of {', '.join(GUIDED_KINDS)}")
             if self.ignore_eos or self.min_tokens:
                 raise InvalidRequest("guided", "cannot be combined with ignore_eos or min_tokens (the grammar ends it)")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise InvalidRequest("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] (got {self.logprobs!r})")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
+                raise InvalidRequest(name, f"must be an integer in [0, {MAX_LOGPROBS}] (got {k!r})")
 
 
 @dataclass(slots=True)
@@ -115,7 +118,7 @@ class TokenLogprobs:
     alternatives', best first. `token` and `top_tokens` are each token's own text, decoded alone."""
 
     token: str
-    logprob: float
+    logprob: float | None  # None for a prompt's first token: nothing predicts it
     top_ids: tuple[int, ...] = ()
     top_tokens: tuple[str, ...] = ()
     top_logprobs: tuple[float, ...] = ()
@@ -150,6 +153,9 @@ class FinishEvent:
     total_s: float
     error: str | None = None
     logprobs: tuple[TokenLogprobs, ...] | None = None  # one per output token, when the request asks
+    # one per prompt token (the first has no logprob: nothing predicts it), when the request asks
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None  # with prompt_logprobs
 
 
 Event = TokenEvent | FinishEvent

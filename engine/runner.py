@@ -43,6 +43,8 @@ class Runner(Protocol):
     # forward() may return before the device is done (its logits are read after synchronize()): the
     # engine then does the last step's detokenization and events in between, while the device runs.
     asynchronous: bool
+    # it can return the logits of prompt positions (prompt log-probabilities): see ModelRunner.prompt_rows
+    prompt_logprobs: bool
 
     def synchronize(self) -> None:
         """Wait until the last forward's logits are ready (and count its device time in model_s)."""
@@ -71,6 +73,7 @@ class PagedMemory:
 
     cache: KVCache
     asynchronous = False
+    prompt_logprobs = False
 
     def synchronize(self) -> None:
         pass
@@ -97,6 +100,7 @@ class PagedMemory:
 
 class ModelRunner(PagedMemory):
     can_isolate = True  # each request's rows are its own: a failed step is retried one by one
+    prompt_logprobs = True
 
     def __init__(
         self,
@@ -128,6 +132,10 @@ class ModelRunner(PagedMemory):
         self.device = device
         self.model_s = 0.0  # time inside the model's forward (the rest of a step is overhead)
         self._ar = torch.arange(4096)
+        # the last step's prompt positions whose logits were asked for (prompt log-probabilities):
+        # (sequence, first position, logits [rows, vocab]); row i predicts token first + i + 1
+        self.prompt_rows: list[tuple[HasTokens, int, torch.Tensor]] = []
+        self._prompt_keep: list[tuple[HasTokens, int, int]] = []  # (seq, first position, rows)
 
     def _arange(self, n: int) -> torch.Tensor:
         if n > len(self._ar):
@@ -144,6 +152,8 @@ class ModelRunner(PagedMemory):
         slot_parts: list[torch.Tensor] = []
         keep: list[int] = []
         chunks: list[PrefillChunk] = []
+        extra: list[int] = []  # prompt positions whose logits are asked for, after the emitting rows
+        self._prompt_keep = []
         for w in prefill:
             q_start = len(ids)
             ids.extend(w.seq.token_ids[w.start : w.start + w.n])
@@ -159,6 +169,10 @@ class ModelRunner(PagedMemory):
                 chunks.append(PrefillChunk(q_start, w.n, k_len, bt.to(self.device), mask.to(self.device)))
             if w.emits:
                 keep.append(len(ids) - 1)
+            if w.seq.params.prompt_logprobs is not None:  # every position but the sampling one
+                rows = w.n - 1 if w.emits else w.n
+                extra.extend(range(q_start, q_start + rows))
+                self._prompt_keep.append((w.seq, w.start, rows))
         groups: list[DecodeGroup] = []
         if decode:
             first = len(ids)
@@ -177,6 +191,7 @@ class ModelRunner(PagedMemory):
                     groups.append(self._decode_group(decode, rows, lens, first))
             slot_parts.append(torch.tensor(dec_slots, dtype=torch.long))
             keep.extend(range(first, first + len(decode)))
+        keep.extend(extra)
         slots = torch.cat(slot_parts).to(self.device)
         meta = StepMeta(self.cache, slots, len(ids), groups, chunks, decode_kernel=self._decode_fn)
         if self.backend == "flash":
@@ -227,11 +242,11 @@ class ModelRunner(PagedMemory):
         if self.asynchronous:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
-        rows = len(keep)
+        rows = len(keep) - sum(n for _, _, n in self._prompt_keep)
         if self._compiled_model is not None:
             # The attention op looks pure to the compiler: with no logits to keep, it would drop the
             # whole graph and with it the KV writes of a prompt chunk. One kept row keeps every layer.
-            keep = keep if rows else keep.new_tensor([ids.shape[1] - 1])
+            keep = keep if len(keep) else keep.new_tensor([ids.shape[1] - 1])
             for t, dim in ((ids, 1), (pos, 1), (keep, 0)):
                 torch._dynamo.maybe_mark_dynamic(t, dim)
             with step_context(meta):
@@ -239,6 +254,10 @@ class ModelRunner(PagedMemory):
         else:
             out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep, weightq_meta=meta)
         logits = out.logits[0, :rows].float()
+        self.prompt_rows, at = [], rows
+        for seq, first, n in self._prompt_keep:
+            self.prompt_rows.append((seq, first, out.logits[0, at : at + n].float()))
+            at += n
         if self.asynchronous:  # timed on the device; synchronize() waits, so the host works meanwhile
             end = torch.cuda.Event(enable_timing=True)
             end.record()

@@ -29,6 +29,7 @@ class Sequence:
     first_token_s: float = 0.0
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, when asked for
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # per prompt token, when asked
     grammar: Any = None  # structured output: its grammar.Guide, advanced with each token
 
     @property

@@ -22,7 +22,8 @@ died writes a new attempt entry and regenerates its tokens from index 0; `Replay
 reader already has (greedy and seeded runs regenerate the same tokens).
 
 The task `TASK_NAME` takes the request dict of tasks/schema.py and returns `result_dict`'s shape
-(with "logprobs", one "lp" list per output token, when the request asks for them).
+(with "logprobs", one "lp" list per output token, and "prompt_logprobs" with "prompt_token_ids",
+when the request asks for them).
 """
 
 from __future__ import annotations
@@ -177,6 +178,14 @@ def result_dict(ev: FinishEvent) -> dict[str, Any]:
         },
         "timings": {"queue_s": round(ev.queue_s, 6), "ttft_s": round(ev.ttft_s, 6), "total_s": round(ev.total_s, 6)},
         **({"logprobs": [lp.as_json() for lp in ev.logprobs]} if ev.logprobs is not None else {}),
+        **(
+            {
+                "prompt_logprobs": [lp.as_json() for lp in ev.prompt_logprobs],
+                "prompt_token_ids": list(ev.prompt_token_ids or ()),
+            }
+            if ev.prompt_logprobs is not None
+            else {}
+        ),
     }
 
 

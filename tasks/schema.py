@@ -43,6 +43,7 @@ FIELDS = {
     "logit_bias",
     "min_tokens",
     "logprobs",
+    "prompt_logprobs",
     "guided",
 }
 
@@ -139,9 +140,11 @@ def parse_request(data: object) -> JobSpec:
     if not isinstance(ignore_eos, bool):
         raise RequestError("ignore_eos", "must be true or false")
     max_new_tokens = _int(data, "max_new_tokens", 64, 1, MAX_NEW_TOKENS)
-    logprobs = data.get("logprobs")
+    logprobs, prompt_logprobs = data.get("logprobs"), data.get("prompt_logprobs")
     if logprobs is not None:
         logprobs = _int(data, "logprobs", 0, 0, MAX_LOGPROBS)
+    if prompt_logprobs is not None:
+        prompt_logprobs = _int(data, "prompt_logprobs", 0, 0, MAX_LOGPROBS)
     params = SamplingParams(
         max_new_tokens=max_new_tokens,
         temperature=_float(data, "temperature", 0.0, 0.0, 100.0),
@@ -157,6 +160,7 @@ def parse_request(data: object) -> JobSpec:
         logit_bias=_logit_bias(data.get("logit_bias")),
         min_tokens=_int(data, "min_tokens", 0, 0, max_new_tokens),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         guided=_guided(data.get("guided")),
     )
     if params.guided is not None and (params.ignore_eos or params.min_tokens):

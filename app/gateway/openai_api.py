@@ -76,9 +76,14 @@ def _response_format(fmt: object) -> dict | None:
 
 def completion_job(body: dict, served_model: str) -> dict:
     job = _common(body, COMPLETION_FIELDS, served_model)
-    _refuse_unless(body, "echo", (False, None))
     if body.get("logprobs") is not None:
         job["logprobs"] = body["logprobs"]  # the top alternatives per token (the job schema bounds it)
+    if body.get("echo") not in (None, False, True):
+        raise RequestError("echo", "must be true or false")
+    if body.get("echo"):  # the prompt's tokens (their texts, and logprobs when asked) come with the result
+        if body.get("stream"):
+            raise RequestError("echo", "is answered whole: ask without stream")
+        job["prompt_logprobs"] = body.get("logprobs") or 0
     _refuse_unless(body, "best_of", (1, None))
     _refuse_unless(body, "suffix", (None,))
     prompt = body.get("prompt")
@@ -92,6 +97,14 @@ def completion_job(body: dict, served_model: str) -> dict:
         raise RequestError("prompt", "must be a string, a list of token ids, or a list of those")
     job["max_new_tokens"] = body.get("max_tokens") if body.get("max_tokens") is not None else 16
     return job
+
+
+def echoes(body: dict, jobs: list[dict]) -> list[str] | None:
+    """With `echo: true`, each prompt's text as sent ("" for token ids: the result's tokens give it)."""
+    if not body.get("echo"):
+        return None
+    n = body.get("n") or 1
+    return [job.get("prompt", "") for job in jobs[::n]]
 
 
 def completion_jobs(body: dict, served_model: str) -> list[dict]:
@@ -169,12 +182,15 @@ def completion_logprobs(lps: list[list], offset: int = 0) -> dict:
     for token, logprob, _, top_tokens, top_logprobs in lps:
         out["tokens"].append(token)
         out["token_logprobs"].append(logprob)
+        out["text_offset"].append(offset)
+        offset += len(token)
+        if logprob is None:  # a prompt's first token (echo): nothing predicts it
+            out["top_logprobs"].append(None)
+            continue
         top: dict[str, float] = {token: logprob}
         for t, v in zip(top_tokens, top_logprobs, strict=True):  # tokens alike in text (e.g. partial
             top[t] = max(v, top.get(t, v))  # characters, "\ufffd") share one key: the likelier wins
         out["top_logprobs"].append(top)
-        out["text_offset"].append(offset)
-        offset += len(token)
     return out
 
 
@@ -190,29 +206,37 @@ def chat_logprobs(lps: list[list]) -> dict:
     }
 
 
-def completion_response(job_id: str, model: str, result: dict | list[dict], *, chat: bool, n: int = 1) -> dict:
-    """The body for one result, or for several (choice i is results[i]; `n` choices per prompt)."""
+def completion_response(
+    job_id: str, model: str, result: dict | list[dict], *, chat: bool, n: int = 1, echo: list[str] | None = None
+) -> dict:
+    """The body for one result, or for several (choice i is results[i]; `n` choices per prompt).
+    `echo`: each prompt's text to put first ("" for a prompt of token ids), with `echo: true`."""
     results = result if isinstance(result, list) else [result]
     return {
         "id": response_id(job_id, chat),
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [_choice(i, r, chat) for i, r in enumerate(results)],
+        "choices": [_choice(i, r, chat, echo[i // n] if echo else None) for i, r in enumerate(results)],
         "usage": usage(results, n),
     }
 
 
-def _choice(index: int, result: dict, chat: bool) -> dict:
+def _choice(index: int, result: dict, chat: bool, echo: str | None = None) -> dict:
     finish = FINISH.get(result.get("finish_reason", "stop"), "stop")
     lps = result.get("logprobs")
     if chat:
         choice = {"index": index, "message": {"role": "assistant", "content": result["text"]}, "finish_reason": finish}
         choice["logprobs"] = chat_logprobs(lps) if lps is not None else None
-    else:
-        choice = {"index": index, "text": result["text"], "finish_reason": finish, "logprobs": None}
-        if lps is not None:
-            choice["logprobs"] = completion_logprobs(lps)
+        return choice
+    text = result["text"]
+    if echo is not None:  # the prompt first: as sent, or its tokens' texts for a prompt of token ids
+        prompt_lps = result.get("prompt_logprobs", [])
+        text = (echo or "".join(lp[0] for lp in prompt_lps)) + text
+        lps = prompt_lps + (lps or []) if lps is not None else None
+    choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+    if lps is not None:
+        choice["logprobs"] = completion_logprobs(lps)
     return choice
 
 

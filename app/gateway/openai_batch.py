@@ -48,7 +48,8 @@ class OpenAIBatchLines:
 
     def done(self, line_id: str, obj: dict, job_id: str, result: dict) -> dict:
         chat = URLS[obj["url"]]
-        body = openai_api.completion_response(job_id, self.model, result, chat=chat)
+        echo = None if chat else openai_api.echoes(obj["body"], [self.request(obj)])
+        body = openai_api.completion_response(job_id, self.model, result, chat=chat, echo=echo)
         return self._line(line_id, job_id, 200, body)
 
     def failed(self, line_id: str, obj: dict | None, job_id: str | None, message: str, field: str | None) -> dict:

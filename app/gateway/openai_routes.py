@@ -45,7 +45,8 @@ def register(app: FastAPI, gw: Gateway) -> None:
         job_id, last_id = await gw.start(request, jobs[0], bool(body.get("stream")))
         if not body.get("stream"):
             result = await gw.result(request, job_id)
-            return JSONResponse(openai_api.completion_response(job_id, gw.model, result, chat=chat))
+            echo = openai_api.echoes(body, jobs)
+            return JSONResponse(openai_api.completion_response(job_id, gw.model, result, chat=chat, echo=echo))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         writer = openai_api.ChunkWriter(job_id, gw.model, chat=chat, resumed=last_id != "0-0")
 
@@ -73,7 +74,8 @@ def register(app: FastAPI, gw: Gateway) -> None:
         ids = list(await asyncio.gather(*(gw.submit(job) for job in jobs)))  # one group commit
         if not body.get("stream"):
             results = await gw.results(request, ids)
-            return JSONResponse(openai_api.completion_response(ids[0], gw.model, results, chat=chat, n=n))
+            echo = openai_api.echoes(body, jobs)
+            return JSONResponse(openai_api.completion_response(ids[0], gw.model, results, chat=chat, n=n, echo=echo))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         writer = openai_api.ChunkWriter(ids[0], gw.model, chat=chat)
         results: dict[int, dict] = {}

@@ -24,6 +24,7 @@ CLIENT_FIELDS = {  # job field -> what a client sent
     "repetition_penalty": "parameters.repetition_penalty",
     "frequency_penalty": "parameters.frequency_penalty",
     "logprobs": "parameters.top_n_tokens",
+    "prompt_logprobs": "parameters.decoder_input_details",
     "guided": "parameters.grammar",
 }
 
@@ -54,7 +55,6 @@ def job_request(body: object, stream: bool = False) -> tuple[dict, dict]:
         ("truncate", (None,)),
         ("typical_p", (None,)),
         ("watermark", (None, False)),
-        ("decoder_input_details", (None, False)),
         ("adapter_id", (None,)),
     ):
         _refuse_unless(params, name, allowed)
@@ -86,6 +86,10 @@ def job_request(body: object, stream: bool = False) -> tuple[dict, dict]:
         raise RequestError("parameters.top_n_tokens", f"must be an integer between 0 and 20 (got {str(top_n)[:32]})")
     if stream or params.get("details") or top_n or (best_of or 1) > 1:  # best_of ranks by logprob
         job["logprobs"] = top_n or 0
+    if params.get("decoder_input_details"):  # the prompt's tokens with their logprobs, in details.prefill
+        if stream:
+            raise RequestError("parameters.decoder_input_details", "is not available when streaming (as in TGI)")
+        job["prompt_logprobs"] = 0
     if params.get("stop"):
         job["stop"] = params["stop"]
     job.setdefault("max_new_tokens", 100)  # TGI's default
@@ -101,11 +105,15 @@ def best_of_jobs(job: dict, best_of: int) -> list[dict]:
 
 
 def details(result: dict, tokens: list[dict], seed: int | None, top: list[list[dict]] | None = None) -> dict:
+    prefill = [
+        {"id": i, "text": lp[0], "logprob": lp[1]}
+        for i, lp in zip(result.get("prompt_token_ids", []), result.get("prompt_logprobs", []), strict=True)
+    ]
     out = {
         "finish_reason": FINISH.get(result.get("finish_reason", "length"), "length"),
         "generated_tokens": result["usage"]["completion_tokens"],
         "seed": seed,
-        "prefill": [],
+        "prefill": prefill,
         "tokens": tokens,
     }
     if top:

@@ -136,3 +136,29 @@ def test_a_logit_bias_beyond_the_vocabulary_is_refused(tiny_loaded):
     params = SamplingParams(logit_bias=((engine.logits_width, 1.0),))
     res = engine.generate([GenerationRequest("bad", prompt="x", params=params)])[0]
     assert res.reason == "error" and res.error.startswith("logit_bias")
+
+
+def test_prompt_logprobs_across_prefill_chunks(tiny_loaded, reference_model):
+    engine = Engine(EngineConfig(max_prefill_weight=16, check_invariants=True), loaded=tiny_loaded)
+    prompts = [p + p for p in _prompts(4, seed=3)]  # 6-120 tokens: prefilled in chunks of at most 16
+    ks = [0, 2, 5, None]
+    reqs = [
+        GenerationRequest(f"pl{i}", prompt_token_ids=p, params=SamplingParams(max_new_tokens=3, prompt_logprobs=k))
+        for i, (p, k) in enumerate(zip(prompts, ks, strict=True))
+    ]
+    for req, res in zip(reqs, engine.generate(reqs), strict=True):
+        k = req.params.prompt_logprobs
+        if k is None:
+            assert res.prompt_logprobs is None
+            continue
+        prompt = req.prompt_token_ids
+        assert list(res.prompt_token_ids) == prompt and len(res.prompt_logprobs) == len(prompt)
+        first = res.prompt_logprobs[0]
+        assert first.logprob is None and first.token == engine.token_texts(prompt[:1])[0]
+        with torch.no_grad():
+            ref = reference_model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+        for i in range(1, len(prompt)):
+            lp = res.prompt_logprobs[i]
+            assert abs(lp.logprob - float(ref[i - 1, prompt[i]])) < 1e-4, (req.id, i)
+            assert len(lp.top_ids) == k and list(lp.top_logprobs) == sorted(lp.top_logprobs, reverse=True)
+            assert all(abs(v - float(ref[i - 1, t])) < 1e-4 for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True))

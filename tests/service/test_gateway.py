@@ -71,7 +71,7 @@ def _job_result(stack, response_id: str) -> dict:
     return json.loads(redis.Redis.from_url(stack.url).hget(job_key(job_id), "result"))
 
 
-def test_openai_logprobs_streamed_and_not(stack):
+def test_openai_logprobs_streamed_and_not(stack, tiny_loaded):
     kw = {"model": "builtin:tiny", "prompt": "The scheduler admits", "max_tokens": 16, "temperature": 0}
     full = stack.oai.completions.create(**kw, logprobs=3)
     lp = full.choices[0].logprobs
@@ -84,6 +84,18 @@ def test_openai_logprobs_streamed_and_not(stack):
     streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
     assert streamed == lp.token_logprobs
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+
+    echoed = stack.oai.completions.create(**kw, logprobs=2, echo=True)
+    elp = echoed.choices[0].logprobs
+    assert echoed.choices[0].text == kw["prompt"] + full.choices[0].text
+    n_prompt = echoed.usage.prompt_tokens
+    assert elp.token_logprobs[0] is None and elp.top_logprobs[0] is None and len(elp.tokens) == n_prompt + 16
+    assert all(v is not None and v <= 0 for v in elp.token_logprobs[1:])
+    assert echoed.choices[0].text == kw["prompt"] + full.choices[0].text  # the same greedy completion
+    assert elp.token_logprobs[n_prompt:] == pytest.approx(lp.token_logprobs, abs=1e-4)  # as without echo
+    ids = stack.oai.completions.create(**{**kw, "prompt": [5, 17, 99, 4]}, echo=True)
+    decoded = tiny_loaded.tokenizer.decode([5, 17, 99, 4])
+    assert ids.choices[0].text == decoded + _job_result(stack, ids.id)["text"]
 
     chat_kw = {"model": "builtin:tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
     chat = stack.oai.chat.completions.create(**chat_kw, temperature=0, logprobs=True, top_logprobs=2)
@@ -251,6 +263,9 @@ def test_tgi_client_generate_and_stream(stack):
     r = httpx.post(stack.base + "/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 3}},
                    headers=stack.headers, timeout=30)  # fmt: skip
     assert r.status_code == 200 and set(r.json()) == {"generated_text"}
+    prefilled = stack.tgi.generate("The scheduler admits", max_new_tokens=3, decoder_input_details=True)
+    prefill = prefilled.details.prefill
+    assert len(prefill) > 1 and prefill[0].logprob is None and all(t.logprob <= 0 for t in prefill[1:])
     detailed = stack.tgi.generate("The scheduler admits", max_new_tokens=6, top_n_tokens=2)
     assert all(t.logprob is not None and t.logprob <= 0 for t in detailed.details.tokens)
     assert [len(top) for top in detailed.details.top_tokens] == [2] * len(detailed.details.tokens)
