@@ -202,11 +202,20 @@ redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('ZADD', KEYS[2], 'NX', ARGV[2], ARGV[4])
 """
 
-# Back to the queue at a worker's shutdown, listed as queued since `since` (see JobRunner._requeue).
-# KEYS: job hash, queued set. ARGV: since, job id.
+# Back to the queue at a worker's shutdown, listed as queued since `since` (see JobRunner._requeue);
+# unless its client cancelled it meanwhile (the flag is set even if the engine never heard of it):
+# then it ends here, cancelled, with what it had generated. Returns 1 when it ended, 0 when requeued.
+# KEYS: job hash, queued set, stream. ARGV: since, job id, result JSON, stream maxlen, stream ttl.
 REQUEUE = """
+if redis.call('HGET', KEYS[1], 'cancel') then
+  redis.call('HSET', KEYS[1], 'state', 'cancelled', 'result', ARGV[3])
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'type', 'end', 'reason', 'cancelled', 'result', ARGV[3])
+  redis.call('EXPIRE', KEYS[3], ARGV[5])
+  return 1
+end
 redis.call('HSET', KEYS[1], 'state', 'queued')
 redis.call('ZADD', KEYS[2], ARGV[1], ARGV[2])
+return 0
 """
 
 # Start (or restart) a run: refuse a cancelled or finished job; dead-letter one that has been started

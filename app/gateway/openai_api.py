@@ -109,7 +109,9 @@ def echoes(body: dict, jobs: list[dict]) -> list[str] | None:
 
 def completion_jobs(body: dict, served_model: str) -> list[dict]:
     """One job per choice: each prompt of a list, `n` times (choice index = prompt index x n + i)."""
-    prompt = body.get("prompt") if isinstance(body, dict) else None
+    if not isinstance(body, dict):
+        raise RequestError("body", "must be a JSON object")
+    prompt = body.get("prompt")
     several = isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt)
     prompts = prompt if several else [prompt]
     return _samples([completion_job({**body, "prompt": p}, served_model) for p in prompts], body)

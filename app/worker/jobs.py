@@ -137,10 +137,14 @@ class JobRunner:
         finally:
             self.inflight.remove(job_id)
         if final.reason == "cancelled" and final.error == SHUTDOWN:
-            # Back to the queue. If kombu's requeue fails on the closing channel, the recovery sweep
-            # finds the job queued and nowhere else, and sends it again. Retried like every state
-            # write: a task that raised here would be acked, its job left 'running' and unrecoverable.
-            self.retrying(lambda: self._requeue(job_id))
+            # Back to the queue, unless its client cancelled it during the grace period (a cancel the
+            # engine missed: its pub/sub message can be lost while the cancel loop restarts).
+            # If kombu's requeue fails on the closing channel, the recovery sweep finds the job
+            # queued and nowhere else, and sends it again. Retried like every state write: a task
+            # that raised here would be acked, its job left 'running' and unrecoverable.
+            result = result_dict(final) | extra  # reason "cancelled", with what it had generated
+            if self.retrying(lambda: self._requeue(job_id, result)):
+                return result
             raise Reject(f"worker {self.hostname} shutting down: job {job_id} goes back to the queue", requeue=True)
         if final.reason == "error":
             if field_of(final.error):  # the request named a field the engine refused: a client error
@@ -148,11 +152,15 @@ class JobRunner:
             raise GenerationFailed(final.error or "error")
         return result_dict(final) | extra
 
-    def _requeue(self, job_id: str) -> None:
+    def _requeue(self, job_id: str, result: dict) -> bool:
+        """True when the job ended (cancelled by its client meanwhile) instead of going back."""
         # Listed as queued since long ago: if kombu's requeue on the closing channel is lost, the next
         # two recovery sweeps (RECOVER_INTERVAL_S apart) re-send it, without waiting LOST_JOB_GRACE_S.
-        since = time.time() - self.settings.lost_job_grace_s - 1
-        self.durable.run(self._requeue_script, [job_key(job_id), QUEUED], [since, job_id])
+        s = self.settings
+        since = time.time() - s.lost_job_grace_s - 1
+        keys = [job_key(job_id), QUEUED, stream_key(job_id)]
+        args = [since, job_id, json.dumps(result), s.stream_maxlen, s.stream_ttl_s]
+        return bool(self.durable.run(self._requeue_script, keys, args))
 
     def fail(self, job_id: str, message: str, field: str = "") -> None:
         """End the job with an error entry and state done, once (a no-op for a job already done): a

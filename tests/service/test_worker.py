@@ -285,3 +285,26 @@ def test_a_client_cancel_during_the_shutdown_grace_ends_the_job_once(service):
     ends = [e for e in entries if e[b"type"] in (b"end", b"error")]
     assert len(ends) == 1, ends
     assert service.client.redis.hget(job_key(job.id), "state") == b"cancelled"
+
+
+def test_a_cancel_whose_publish_was_lost_still_ends_the_job_at_shutdown(service):
+    """The engine never hears of it (only the job's cancel flag is set, as if its pub/sub message was
+    lost): at the end of the grace period the job ends cancelled, with its tokens, instead of going back."""
+    import os
+    import signal
+
+    cfg = dict(FAST_RECOVERY, shutdown_grace_s=2)
+    first = service.worker("w1@test", **cfg).wait_ready()
+    job = service.client.submit("cancel me quietly", max_new_tokens=1500, ignore_eos=True)
+    next(ev for ev in job.events(timeout=60) if ev.type == "token")
+    service.client.redis.hset(job_key(job.id), "cancel", "1")  # the flag alone: no publish
+    os.killpg(first.proc.pid, signal.SIGTERM)
+    result = job.result(timeout=60)
+    assert result["finish_reason"] == "cancelled" and 0 < result["usage"]["completion_tokens"] < 1500
+    assert first.proc.wait(60) == 0
+    assert service.client.redis.hget(job_key(job.id), "state") == b"cancelled"
+    second = service.worker("w2@test", **cfg).wait_ready()
+    assert service.client.submit("after", max_new_tokens=3).result(timeout=120)["worker"] == "w2@test"
+    second.wait_stats(lambda s: s["active_jobs"] == 0 and s["running"] == 0)
+    ends = [f for _, f in service.client.redis.xrange(stream_key(job.id)) if f[b"type"] in (b"end", b"error")]
+    assert len(ends) == 1, ends
