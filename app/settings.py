@@ -46,6 +46,7 @@ class Settings(BaseSettings):
         "auto"  # paged | padded | auto (padded for T5/BART ...) | simulated (a measuring tool: engine/simulated.py)
     )
     compile: Literal["auto", "on", "off"] = "auto"  # torch.compile the paged runner (auto: on for CPU)
+    prefix_cache: bool = True  # paged runner: reuse the KV of repeated prompt prefixes (PREFIX_CACHE=0: off)
     sim_step_cost: str = ""  # RUNNER=simulated (a measuring tool): "fixed_s,per_token_s,per_kv_token_s"
     torch_threads: int = 0  # the engine's intra-op threads; 0: torch's default (one per core)
     # The engine in a process of its own (engine/core_process.py): auto (on for CUDA and RUNNER=simulated), on, off
@@ -135,6 +136,7 @@ class Settings(BaseSettings):
             mode=self.batcher_mode,  # type: ignore[arg-type]
             runner=self.runner,  # type: ignore[arg-type]
             sim_step_cost=self.sim_step_cost,
+            prefix_cache=self.prefix_cache,
             compile=self.compile,  # type: ignore[arg-type]
             torch_threads=self.torch_threads,
         )

@@ -1,6 +1,7 @@
 """weightq's batcher: weight-aware admission, pure Python (no torch, Redis or Celery)."""
 
 from .admission import Batcher, BatcherStats, StepPlan
+from .blocks import BlockLedger, chain_keys
 from .config import BatcherConfig, ConfigError
 from .estimator import OutputLengthEstimator
 from .projection import Entry, PaddedProfile, TokenProfile
@@ -11,6 +12,7 @@ __all__ = [
     "Batcher",
     "BatcherConfig",
     "BatcherStats",
+    "BlockLedger",
     "ConfigError",
     "Entry",
     "OutputLengthEstimator",
@@ -21,5 +23,6 @@ __all__ = [
     "StepPlan",
     "TokenProfile",
     "TokenWeight",
+    "chain_keys",
     "weight_model",
 ]

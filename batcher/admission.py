@@ -16,8 +16,11 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
+from .accounting import Accounting
+from .blocks import BlockLedger
 from .config import BatcherConfig
 from .estimator import OutputLengthEstimator
+from .prefix import SharedBlocks
 from .projection import Entry, PaddedProfile, TokenProfile
 from .request import Request, RequestRejected
 from .reservations import Reservations
@@ -56,9 +59,11 @@ class BatcherStats:
     preempted_tokens: int = 0
     idle_passes: int = 0
     generated_tokens: int = 0
+    prompt_tokens: int = 0  # context tokens of every admission (readmissions too)
+    cached_tokens: int = 0  # of those, found in the prefix cache instead of computed
 
 
-class Batcher:
+class Batcher(Accounting):
     """Weight-aware admission over one waiting queue and one running set."""
 
     REFRESH_EVERY = 16  # predictive mode: refresh the length estimate after this many finishes (or steps)
@@ -92,6 +97,14 @@ class Batcher:
         self._prefilling: dict[str, Request] = {}  # running requests not decoding yet, in admission order
         self._stale = False  # the prefilling requests' entries must be recomputed before the next decision
         self._idle = False  # the last pass admitted nothing and nothing has changed since
+        # paged memory: the block ledger (token model) and the cached blocks held by running requests
+        self.ledger = (
+            BlockLedger(self.budget // cfg.block_size, cfg.block_size, caching=cfg.prefix_caching)
+            if cfg.weight_model == "token"
+            else None
+        )
+        self.shared = SharedBlocks()
+        self._shared_entries: dict[str, Entry] = {}  # each anchor's entry for the cached blocks charged to it
 
     # ----- queue operations -------------------------------------------------------------------
     def check(self, req: Request) -> None:
@@ -149,23 +162,6 @@ class Batcher:
         self._idle = False
         return req
 
-    def batch_weight(self) -> int:
-        """The weight the running requests hold now (their tokens so far, whole prompts included)."""
-        running = self.running.values()
-        return self.weight.batch([r.context_len for r in running], [r.fixed_len for r in running])
-
-    def room_for(self) -> int:
-        """How many more requests of the typical size (recent admissions' reserved weight) would fit
-        by the naive sum after everything already waiting (at its worst case) is admitted: what a
-        worker may take from a shared queue without hoarding. Waiting work counts, not blocks:
-        requests held back only by the prefill cap start within a few steps."""
-        typical = self._typical or self.weight.seq(self.config.max_total_tokens)
-        pending = sum(self.weight.seq(r.max_total) for r in self.waiting)
-        return max(0, (self.budget - self._committed - pending) // typical)
-
-    def projected_peak(self) -> int:
-        return self._get_profile().peak() if self.running else 0
-
     # ----- the step -----------------------------------------------------------------------------
     def schedule(self, now: float) -> StepPlan:
         plan = StepPlan(self.step)
@@ -216,29 +212,19 @@ class Batcher:
             w.insert(bisect_right(w, key, key=lambda r: self._order[r.id]), req)
         self._idle = False
 
-    def _release(self, req: Request) -> None:
-        self._committed -= self.weight.seq(req.reserved_total)
-        self.reservations.forget(req.id)
-        self._prefilling.pop(req.id, None)
-        self._set_entry(req.id, None)
-        self._running_changed()
-
-    def _running_changed(self) -> None:
-        """The running set or a reservation changed: prefilling requests' entries (which depend on the
-        step and on the chunks ahead of them) are recomputed before the next decision, and the queue
-        gets a real pass."""
-        self._stale = True
-        self._idle = False
-
     def _running_work(self, plan: StepPlan) -> list[int]:
         """Decode every decoding request; give continuing prompt chunks the prefill cap first (FIFO)."""
         cap = self.config.max_prefill_weight
         count = longest = total = 0
+        ledger = self.ledger
+        span = ledger.block_size if ledger is not None else 0
         for req in self.running.values():
             if req.decoding:
                 if req.generated >= req.max_new_tokens:
                     raise RuntimeError(f"request {req.id} reached max_new_tokens but was not finished")
                 plan.decode.append(req)
+                if ledger is not None and req.prefilled >= len(req.block_table) * span:
+                    ledger.grow(req.block_table, req.prefilled + 1)
                 continue
             n = req.prefill_left
             if cap:
@@ -246,74 +232,14 @@ class Batcher:
             if n > 0:
                 plan.prefill.append((req, n))
                 count, longest, total = count + 1, max(longest, n), total + n
+                self._allocate(req, req.prefilled + n)
         return [count, longest, total]
-
-    def _entry(self, req: Request, chunk: int, ahead: int) -> Entry:
-        """Projection entry for `req`, which feeds `chunk` tokens this step with `ahead` prompt
-        tokens of earlier requests still to prefill after this step."""
-        remaining = req.reserved_new - req.generated
-        rest = req.prefill_left - chunk
-        if rest <= 0:
-            return Entry(self.step + remaining, req.context_len - self.step, req.reserved_total, True, req.fixed_len)
-        cap = self.config.max_prefill_weight
-        delay = -(-(ahead + rest) // cap)  # FIFO: every later step gives earlier prompts the full cap
-        return Entry(
-            self.step + delay + remaining, req.context_len - self.step, req.reserved_total, False, req.fixed_len
-        )
-
-    def _decoding_entry(self, req: Request) -> Entry:
-        """A decoding request's entry: the same at every step (absolute steps) until its reservation changes."""
-        inp, gen, res, step = req.input_len, req.generated, req.reserved_new, self.step
-        return Entry(step + res - gen, inp + gen - step, inp + res, True, req.fixed_len)
-
-    def _set_entry(self, request_id: str, entry: Entry | None) -> None:
-        """Record a running request's entry (None: it left); the profile takes the change in when next used."""
-        old = self._entries.pop(request_id, None)
-        if entry is not None:
-            self._entries[request_id] = entry
-        changes = self._changes
-        if entry == old or changes is None:
-            return
-        if old is not None:
-            changes.append((old, -1))
-        if entry is not None:
-            changes.append((entry, 1))
-        if len(changes) > self.REBUILD_AFTER:
-            self._changes = None  # one rebuild is cheaper than applying this many
-
-    def _refresh_prefilling(self) -> None:
-        """Entries of requests still prefilling, from this step's chunks (assigned as in _running_work)."""
-        cap = self.config.max_prefill_weight
-        left, ahead = cap, 0
-        for req in self._prefilling.values():
-            chunk = req.prefill_left
-            if cap:
-                chunk = min(chunk, left)
-                left -= chunk
-            self._set_entry(req.id, self._entry(req, chunk, ahead))
-            ahead += req.prefill_left - chunk
-        self._stale = False
-
-    def _get_profile(self) -> TokenProfile | PaddedProfile:
-        """The running set's profile, brought up to date: each entry change since the last use is applied
-        in place (O(running) each), or, after many of them, the profile is rebuilt."""
-        if self._stale:
-            self._refresh_prefilling()
-        if self._changes is None:
-            self._profile = self.weight.profile(list(self._entries.values()))
-            self._changes = []
-        for entry, sign in self._changes:
-            if sign > 0:
-                self._profile.add(entry)
-            else:
-                self._profile.remove(entry)
-        self._changes.clear()
-        return self._profile
 
     def _naive_fits(self, final: int, fixed_len: int = 0) -> bool:
         """The fast path: does the sum of every final weight, the candidate's included, fit?"""
         if self.weight.name == "token":
-            return self._committed + self.weight.seq(final) <= self._admit_budget
+            held = self.shared.held * self.weight.block_size
+            return self._committed + held + self.weight.seq(final) <= self._admit_budget
         running = self.running.values()
         fixed = max((r.fixed_len for r in running), default=0)
         rest = max((r.reserved_total - r.fixed_len for r in running), default=0)
@@ -321,6 +247,8 @@ class Batcher:
 
     def fits(self, req: Request, chunk: int | None = None, ahead: int = 0) -> bool:
         """Could `req` (reservation set) be admitted now without the weight ever exceeding the budget?"""
+        if req.shared:
+            return self._fits_sharing(req, req.prefill_left if chunk is None else chunk, ahead)
         if self._naive_fits(req.reserved_total, req.fixed_len):
             self.stats.admitted_fast += 1
             return True
@@ -350,11 +278,14 @@ class Batcher:
                 or now - first_blocked.arrival_s > cfg.max_wait_s
             ):
                 break
+            hits = self._lookup(cand)
             p = cand.prefill_left
             chunk = self._prefill_chunk(p, count, longest, total)
             if chunk == 0:
+                cand.shared = cand.prefilled = 0
                 break  # this step's prefill budget is spent
             if chunk is None:  # a prompt over the cap runs only when prefilled alone
+                cand.shared = cand.prefilled = 0
                 if first_blocked is None:
                     first_blocked, first_idx = cand, idx
                 continue
@@ -365,17 +296,22 @@ class Batcher:
             ctx, res, fix = cand.context_len, cand.reserved_new, cand.fixed_len
             # A candidate at least as long in context, reservation and fixed part (and in the rest) as
             # one refused in this pass is refused too (it weighs at least as much at every step).
-            dominated = any(c <= ctx and r <= res and f <= fix and c - f <= ctx - fix for c, r, f in refused)
+            # (Not for a candidate with cached blocks: they weigh less than their length.)
+            dominated = not hits and any(
+                c <= ctx and r <= res and f <= fix and c - f <= ctx - fix for c, r, f in refused
+            )
             if dominated or not self.fits(cand, chunk, ahead):
-                if not dominated and len(refused) < 16:
+                cand.shared = cand.prefilled = 0
+                if not dominated and not hits and len(refused) < 16:
                     refused.append((ctx, res, fix))
                 if first_blocked is None:
                     first_blocked, first_idx = cand, idx
                 continue
             taken.append(idx)
-            self._start(cand)
+            self._start(cand, chunk, ahead)
             plan.admitted.append(cand)
             plan.prefill.append((cand, chunk))
+            self._allocate(cand, cand.prefilled + chunk)
             count, longest, total = count + 1, max(longest, chunk), total + chunk
             ahead += p - chunk
         if taken:
@@ -398,13 +334,22 @@ class Batcher:
             return cap - total
         return None if count else prompt
 
-    def _start(self, req: Request) -> None:
+    def _start(self, req: Request, chunk: int, ahead: int) -> None:
+        """Admit `req`, whose first `shared` blocks were found in the prefix cache (prefilled: skipped)."""
         req.admitted_step = self.step
-        req.prefilled = 0
         req.decoding = False
         self.running[req.id] = req
-        w = self.weight.seq(req.reserved_total)
+        w = self._own_final(req)
         self._committed += w
+        self.stats.prompt_tokens += req.context_len
+        self.stats.cached_tokens += req.prefilled
+        if not req.preemptions:
+            req.cached = req.prefilled
+        self._set_entry(req.id, self._entry(req, chunk, ahead))  # its cached blocks' charge needs its finish
+        if req.shared:
+            keys = req.prefix[: req.shared]
+            self.ledger.hold(req.block_table, keys)  # type: ignore[union-attr]
+            self._sync_shared(self.shared.join(req.id, keys, self._finish_of))
         self._typical = w if not self._typical else (7 * self._typical + w) // 8
         self.reservations.track(req)
         self._prefilling[req.id] = req
@@ -448,9 +393,3 @@ class Batcher:
         if preempted and self.estimator is not None and st.preempted_tokens > self.PREEMPT_SHARE * st.generated_tokens:
             self.estimator.tighten()
         return preempted
-
-    def _next_weight(self) -> int:
-        """The weight after the next step if every running request emits a token (a prefilling one
-        emits with its last chunk, so it is counted as growing too: conservative by at most a block)."""
-        running = self.running.values()
-        return self.weight.batch([r.context_len + 1 for r in running], [r.fixed_len for r in running])

@@ -34,6 +34,8 @@ class BatcherConfig:
     predictive_margin: predictive mode's safety margin, in standard deviations of the running set's
         total remaining output, held back from admission; the batcher widens it after preemptions
         past its allowance and lets it ease back as requests finish.
+    prefix_caching: keep the KV blocks of prompts (keyed by their tokens) after their requests finish
+        and let later requests with the same prefix reuse them (token model; requests carry the keys).
     max_preemptions: a request preempted this many times is readmitted with its worst case reserved
         and is not preempted again while others can be.
     """
@@ -53,6 +55,7 @@ class BatcherConfig:
     predictive_min_samples: int = 32
     predictive_window: int = 4096
     max_preemptions: int = 2
+    prefix_caching: bool = False
 
     def resolved(self) -> BatcherConfig:
         """Fill in max_batch_weight and check that one maximal request fits; raises ConfigError."""

@@ -193,6 +193,30 @@ class TokenProfile:
             return True  # the next point has the same alive set, each grown further: its load bounds this one
         return self._load_blocks(c.finish) + own <= cap
 
+    def admits_sharing(self, c: Entry, new: int, extended: list[int], budget: int) -> bool:
+        """admits() for a candidate that holds cached prefix blocks besides its own (`c`): `new` of them
+        no running request holds (they load every step the candidate lives), and the others' last
+        holders finish at the steps in `extended` (ascending), before the candidate: their blocks stay
+        loaded from there until it finishes. Exact: one pass over the points it lives through."""
+        b = self.block
+        cap = budget // b
+        own_final = -(-c.final // b)
+        if self._peak_blocks() + own_final + new + len(extended) <= cap:
+            return True
+        points, blocks = self.points, self._blocks
+        j = bisect_right(points, c.finish)
+        if max(blocks[j:], default=0) > cap:
+            return False
+        co, k = c.offset + b - 1, 0
+        for p, x in zip(points[:j], blocks[:j], strict=True):
+            while k < len(extended) and extended[k] < p:
+                k += 1  # that block's last holder has finished by p: the candidate keeps it loaded
+            if x + ((co + p) // b if c.growing else own_final) + new + k > cap:
+                return False
+        if j and points[j - 1] == c.finish:
+            return True
+        return self._load_blocks(c.finish) + own_final + new + len(extended) <= cap
+
     def _fits_while_alive(self, c: Entry, j: int, cap: int, own: int) -> bool:
         """Does `c` fit at each of the first j points (those it lives through)? It holds at most `own`
         blocks at any of them, so room for that at every point settles it without a pass."""

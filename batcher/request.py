@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class RequestRejected(ValueError):
@@ -37,6 +37,10 @@ class Request:
     preemptions: int = 0
     fixed_len: int = 0
     runs_to_max: bool = False  # nothing can end it early (EOS ignored, no stop conditions): its length is known
+    prefix: tuple[bytes, ...] = ()
+    shared: int = 0
+    cached: int = 0
+    block_table: list[int] = field(default_factory=list)
 
     @property
     def context_len(self) -> int:

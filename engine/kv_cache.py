@@ -1,7 +1,8 @@
-"""The paged KV cache: one preallocated block pool per layer, and the allocator of its blocks.
+"""The paged KV cache: one preallocated block pool per layer.
 
-Its capacity in tokens (num_blocks x block_size) is the batcher's max_batch_weight: the batcher
-guarantees that the running sequences never need more blocks than the pool holds.
+Its capacity in tokens (num_blocks x block_size) is the batcher's max_batch_weight. The batcher hands
+out its blocks (batcher/blocks.py: one ledger for what it admits by and what the engine writes, the
+prefix cache's shared blocks included) and guarantees they never run out.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def derive_capacity(
 
 class KVCache:
     """K and V pools shaped [num_blocks, block_size, kv_heads, head_dim] per layer (flash-attn's
-    paged layout), plus a free list. Slot s = block * block_size + offset addresses one token."""
+    paged layout). Slot s = block * block_size + offset addresses one token."""
 
     def __init__(self, geometry: KVGeometry, num_blocks: int, block_size: int, device: torch.device) -> None:
         self.geometry = geometry
@@ -70,30 +71,7 @@ class KVCache:
         with torch.inference_mode():
             self.k = [torch.zeros(shape, dtype=geometry.dtype, device=device) for _ in range(geometry.num_layers)]
             self.v = [torch.zeros(shape, dtype=geometry.dtype, device=device) for _ in range(geometry.num_layers)]
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low block ids first
 
     @property
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
-
-    @property
-    def free_blocks(self) -> int:
-        return len(self._free)
-
-    @property
-    def used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
-
-    def ensure(self, block_table: list[int], tokens: int) -> None:
-        """Grow `block_table` to hold `tokens` tokens. Running out is a batcher bug, never expected."""
-        need = -(-tokens // self.block_size) - len(block_table)
-        if need > len(self._free):
-            raise RuntimeError(
-                f"KV pool overflow: need {need} more blocks, {len(self._free)} free of {self.num_blocks}"
-            )
-        for _ in range(need):
-            block_table.append(self._free.pop())
-
-    def release(self, block_table: list[int]) -> None:
-        self._free.extend(reversed(block_table))
-        block_table.clear()

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from batcher import Request, RequestRejected
+from batcher import Request, RequestRejected, chain_keys
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, StopMatcher, TokenTexts
@@ -157,6 +157,7 @@ class Engine(StepOutputs):
 
     def stats(self) -> dict:
         b = self.batcher
+        st = b.stats
         return {
             "running": len(b.running),
             "waiting": len(b.waiting),
@@ -174,6 +175,10 @@ class Engine(StepOutputs):
             "compiled": self.runner.compiled,
             "warmup_s": round(self.warmup_s, 1),
             "mode": self.batcher.config.mode,
+            "prefix_cache": bool(b.ledger is not None and b.ledger.caching),
+            "prefix_hit_rate": round(st.cached_tokens / st.prompt_tokens, 4) if st.prompt_tokens else 0.0,
+            "prefix_cached_tokens": st.cached_tokens,
+            "prefix_shared_blocks": b.shared.held,
         }
 
     # ----- engine thread --------------------------------------------------------------------------
@@ -275,6 +280,10 @@ class Engine(StepOutputs):
         fixed = len(ids) if self.lm.seq2seq else 0
         sched = Request(request.id, len(ids), params.max_new_tokens, arrival_s=now, fixed_len=fixed)
         sched.runs_to_max = params.ignore_eos and not params.stop and not params.stop_token_ids
+        ledger = self.batcher.ledger
+        if ledger is not None and ledger.caching and params.prompt_logprobs is None:
+            # prompt log-probabilities need every prompt position's logits: computed, never cached
+            sched.prefix = chain_keys(ids, ledger.block_size)
         self.batcher.check(sched)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         seq = Sequence(
@@ -334,7 +343,9 @@ class Engine(StepOutputs):
     def _isolate(self, prefill: list[Work], decode: list[Work], error: Exception) -> torch.Tensor:
         """The packed forward failed: run each sequence's work alone, fail the ones that still fail
         (their blocks go back to the pool) and return the others' logits in the packed order, so one
-        bad request never takes the batch down. Rerunning rewrites the same KV slots with the same values."""
+        bad request never takes the batch down. Rerunning rewrites the same KV slots with the same values.
+        Prefix cache: the blocks a failed request was to write this step leave the cache (their KV was
+        never written), and a request admitted onto them in the same step fails with it."""
         if not self.runner.can_isolate:  # the padded runner: one batch, one fate
             log.warning("forward over %d sequences failed (%r)", len(prefill) + len(decode), error)
             for work in prefill + decode:
@@ -342,11 +353,23 @@ class Engine(StepOutputs):
             return torch.empty(0, 0)
         log.warning("forward over %d sequences failed (%r); isolating", len(prefill) + len(decode), error)
         rows: list[torch.Tensor] = []
+        unwritten: set[int] = set()  # blocks whose KV a failed request was to write this step
+        ledger, span = self.batcher.ledger, self.batcher.weight.block_size
         for work, alone in [(w, ([w], [])) for w in prefill] + [(w, ([], [w])) for w in decode]:
+            reads = work.seq.block_table[: -(-work.start // span)]
+            if unwritten.intersection(reads):
+                self._finish(
+                    work.seq, "error", f"the model failed on a cached prompt prefix this request shares: {error!r}"
+                )
+                continue
             try:
                 out = self.runner.forward(*alone)
             except Exception as e:
                 log.warning("request %s fails the forward pass: %r", work.seq.id, e)
+                if ledger is not None:
+                    written = work.seq.block_table[work.start // span : -(-(work.start + work.n) // span)]
+                    unwritten.update(written)
+                    ledger.forget(written)
                 self._finish(work.seq, "error", f"the model failed on this request: {e!r}")
                 continue
             if work.emits:
@@ -390,6 +413,7 @@ class Engine(StepOutputs):
 
     def _check_invariants(self) -> None:
         assert self.batcher.batch_weight() <= self.batcher.budget, "batch weight over budget"
+        self.batcher.check_memory()
         self.runner.check(list(self.seqs.values()), self.batcher.budget)
         for seq in self.seqs.values():
             assert len(seq.token_ids) == seq.sched.context_len, f"{seq.id}: tokens out of step with the batcher"

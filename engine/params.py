@@ -156,6 +156,7 @@ class FinishEvent:
     # one per prompt token (the first has no logprob: nothing predicts it), when the request asks
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
     prompt_token_ids: tuple[int, ...] | None = None  # with prompt_logprobs
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission (not computed)
 
 
 Event = TokenEvent | FinishEvent

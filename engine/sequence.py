@@ -23,7 +23,6 @@ class Sequence:
     stopper: StopMatcher
     generator: torch.Generator | None
     submitted_s: float
-    block_table: list[int] = field(default_factory=list)
     text: str = ""
     admitted_s: float = 0.0
     first_token_s: float = 0.0
@@ -31,6 +30,11 @@ class Sequence:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, when asked for
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # per prompt token, when asked
     grammar: Any = None  # structured output: its grammar.Guide, advanced with each token
+
+    @property
+    def block_table(self) -> list[int]:
+        """Its KV blocks, as the batcher handed them out."""
+        return self.sched.block_table
 
     @property
     def id(self) -> str:

@@ -112,6 +112,7 @@ def build(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
     cache = KVCache(lm.geometry, blocks, block, lm.device)
     runner = ModelRunner(lm.model, cache, backend, lm.device, compiled=wants_compile(cfg.compile, lm.device, backend))
     batcher = make_batcher(cfg, blocks * block, max_total, f"KV cache: {why}", block_size=block)
+    runner.ledger = batcher.ledger
     return EngineParts(backend, lm, runner, batcher, why, max_input)
 
 
@@ -148,6 +149,7 @@ def _build_simulated(cfg: EngineConfig, lm: LoadedModel, max_total: int, max_inp
     lm.runner = "simulated"
     log.warning("RUNNER=simulated: a measuring tool, not a model (%s)", cost)
     batcher = make_batcher(cfg, blocks * block, max_total, f"simulated device; KV: {why}", block_size=block)
+    runner.ledger = batcher.ledger
     return EngineParts("simulated", lm, runner, batcher, why, max_input)
 
 
@@ -202,6 +204,7 @@ def make_batcher(cfg: EngineConfig, weight: int, max_total: int, why: str, *, bl
                 mode=("predictive" if cfg.mode == "auto" else cfg.mode) if paged else "worst_case",
                 predictive_margin=cfg.predictive_margin,
                 max_preemptions=cfg.max_preemptions,
+                prefix_caching=paged and cfg.prefix_cache,
             )
         )
     except ConfigError as e:

@@ -175,6 +175,7 @@ def result_dict(ev: FinishEvent) -> dict[str, Any]:
             "prompt_tokens": ev.prompt_tokens,
             "completion_tokens": ev.completion_tokens,
             "total_tokens": ev.prompt_tokens + ev.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": ev.cached_tokens},
         },
         "timings": {"queue_s": round(ev.queue_s, 6), "ttft_s": round(ev.ttft_s, 6), "total_s": round(ev.total_s, 6)},
         **({"logprobs": [lp.as_json() for lp in ev.logprobs]} if ev.logprobs is not None else {}),

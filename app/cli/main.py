@@ -43,6 +43,9 @@ def _sim_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", default=None, help='JSONL: {"input_len", "output_len"[, "max_new_tokens", "arrival_s"]}')
     p.add_argument("--max-prefill-weight", type=int, default=4096, help="prompt tokens per step, 0 = off")
     p.add_argument("--block-size", type=int, default=1, help="KV block size of the token weight model")
+    p.add_argument(
+        "--prefix-cache", action="store_true", help="reuse the KV of trace prefix groups (prefix_group, prefix_len)"
+    )
     p.add_argument("--jump-window", type=float, default=1.0, help="seconds a later request may jump (0 = FIFO)")
     p.add_argument("--max-wait", type=float, default=30.0, help="seconds after which nothing jumps a request")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of the policies")
@@ -67,6 +70,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         jump_window_s=args.jump_window,
         max_wait_s=args.max_wait,
+        prefix_caching=args.prefix_cache,
     )
     try:
         cfg = cfg.resolved()

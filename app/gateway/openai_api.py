@@ -170,12 +170,19 @@ def _message(i: int, m: object) -> object:
 
 # ----- responses ------------------------------------------------------------------------------------
 def usage(result: dict | list[dict], n: int = 1) -> dict:
-    """Summed over the choices; a prompt sampled `n` times counts its tokens once (as vLLM's does)."""
+    """Summed over the choices; a prompt sampled `n` times counts its tokens once (as vLLM's does), and
+    its cached tokens as its first sample found them (the others find the blocks it computed)."""
     results = result if isinstance(result, list) else [result]
     us = [r.get("usage", {}) for r in results]
     p = sum(u.get("prompt_tokens", 0) for u in us[::n])
     c = sum(u.get("completion_tokens", 0) for u in us)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    cached = sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0) for u in us[::n])
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": c,
+        "total_tokens": p + c,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def completion_logprobs(lps: list[list], offset: int = 0) -> dict:

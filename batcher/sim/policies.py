@@ -22,6 +22,7 @@ class StaticBatcher(Batcher):
     def __init__(self, config: BatcherConfig) -> None:
         super().__init__(replace(config, jump_window_s=0.0))
         self.slots = self.budget // self.config.max_total_tokens
+        self.ledger = None  # it admits by count, not weight: nothing bounds its blocks (the simulator counts overflows)
 
     def fits(self, req: Request, chunk: int | None = None, ahead: int = 0) -> bool:
         return len(self.running) < self.slots

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict
 
+from ..blocks import chain_keys
 from ..config import BatcherConfig
 from ..request import Request
 from .cost import StepCost
@@ -41,7 +43,7 @@ def simulate(
         out = min(tr.output_len, tr.max_new_tokens)
         true_len.append(out)
         max_new = out if policy == "oracle" else tr.max_new_tokens
-        reqs.append(Request(str(i), tr.input_len, max_new, tr.arrival_s))
+        reqs.append(Request(str(i), tr.input_len, max_new, tr.arrival_s, prefix=_prefix_keys(i, tr, config)))
     order = sorted(range(n), key=lambda i: trace[i].arrival_s)
     first_token = [0.0] * n
     done_at = [0.0] * n
@@ -95,7 +97,19 @@ def simulate(
         "steps": steps,
         "makespan_s": round(makespan, 3),
         "preemptions": stats.preemptions,
+        "prompt_tokens_computed": stats.prompt_tokens - stats.cached_tokens,
+        "cached_tokens": stats.cached_tokens,
     }
+
+
+def _prefix_keys(i: int, tr: TraceRequest, config: BatcherConfig) -> tuple[bytes, ...]:
+    """Block keys of stand-in token ids: the group's shared prefix, then ids of this request's own."""
+    if not (config.prefix_caching and tr.prefix_group and tr.prefix_len):
+        return ()
+    group = int.from_bytes(hashlib.blake2b(tr.prefix_group.encode(), digest_size=5).digest(), "little")
+    ids = [(group << 20) + k for k in range(tr.prefix_len)]
+    ids += [-((i << 20) + k) - 1 for k in range(tr.input_len - tr.prefix_len)]
+    return chain_keys(ids, config.block_size)
 
 
 def simulate_policies(

@@ -15,6 +15,10 @@ class TraceRequest:
     output_len: int  # the true length: the request stops (EOS) after this many tokens
     max_new_tokens: int
     arrival_s: float = 0.0
+    # prefix caching: the first prefix_len input tokens are the same for every request of the group
+    # (a system prompt); the rest of the input is the request's own
+    prefix_group: str = ""
+    prefix_len: int = 0
 
 
 def sharegpt_like(
@@ -44,7 +48,8 @@ def sharegpt_like(
 
 
 def load_trace(path: str | Path, max_new_tokens: int = 1024) -> list[TraceRequest]:
-    """JSONL lines {"input_len": int, "output_len": int} with optional "max_new_tokens", "arrival_s"."""
+    """JSONL lines {"input_len": int, "output_len": int} with optional "max_new_tokens", "arrival_s",
+    and "prefix_group" + "prefix_len" (input tokens shared by the group's requests: prefix caching)."""
     out: list[TraceRequest] = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
@@ -57,11 +62,15 @@ def load_trace(path: str | Path, max_new_tokens: int = 1024) -> list[TraceReques
                     int(d["output_len"]),
                     int(d.get("max_new_tokens", max_new_tokens)),
                     float(d.get("arrival_s", 0.0)),
+                    str(d.get("prefix_group", "")),
+                    int(d.get("prefix_len", 0)),
                 )
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{lineno}: bad trace line ({e!r}): {line.strip()[:200]}") from e
             if req.input_len < 1 or req.output_len < 1 or req.max_new_tokens < 1 or req.arrival_s < 0:
                 raise ValueError(f"{path}:{lineno}: lengths must be >= 1 and arrival_s >= 0")
+            if not 0 <= req.prefix_len <= req.input_len:
+                raise ValueError(f"{path}:{lineno}: prefix_len must be in [0, input_len]")
             out.append(req)
     out.sort(key=lambda r: r.arrival_s)
     return out

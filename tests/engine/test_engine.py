@@ -47,7 +47,7 @@ def test_greedy_matches_generate_under_a_tight_budget(tiny_loaded, reference_mod
     assert engine.batcher.stats.rejected_projected > 0, "the budget never forced queueing"
     assert order != [r.id for r in reqs], "no request jumped the queue"
     assert chunks, "no prompt was prefilled in chunks"
-    assert engine.runner.cache.used_blocks == 0
+    assert engine.batcher.ledger.used == 0
 
 
 def test_predictive_mode_with_preemption_gives_the_same_greedy_outputs(tiny_loaded, reference_model, workload):
@@ -164,13 +164,13 @@ def test_cancel_mid_generation_frees_the_blocks(tiny_loaded):
         events = long.events(timeout=30)
         for _ in range(5):
             next(events)
-        assert engine.runner.cache.used_blocks > 0
+        assert engine.batcher.ledger.used > 0
         assert engine.cancel("long")
         final = long.result(timeout=30)
         assert final.reason == "cancelled" and 5 <= final.completion_tokens < 1000
         other = engine.submit(GenerationRequest("after", prompt="x", params=queued_cfg))
         assert other.result(timeout=30).reason in ("length", "eos")
-        assert engine.runner.cache.used_blocks == 0
+        assert engine.batcher.ledger.used == 0
         assert not engine.cancel("unknown-id")
     finally:
         engine.stop()
@@ -312,4 +312,4 @@ def test_a_request_that_breaks_the_forward_fails_alone(tiny_loaded, reference_mo
     by_id = {r.request_id: r for r in results}
     assert by_id["bad"].reason == "error" and "poisoned input" in by_id["bad"].error
     assert_greedy_equal(reference_model, reqs, [by_id[r.id] for r in reqs])
-    assert engine.runner.cache.used_blocks == 0 and not engine.batcher.running
+    assert engine.batcher.ledger.used == 0 and not engine.batcher.running

@@ -61,4 +61,4 @@ def test_family_greedy_matches_generate(family_dir):
     reqs = mixed_requests(10, seed=3, max_prompt=200, max_new=60)
     results = engine.generate(reqs)
     assert_greedy_equal(reference, reqs, results)
-    assert engine.runner.cache.used_blocks == 0
+    assert engine.batcher.ledger.used == 0

@@ -128,3 +128,13 @@ def test_openai_n_and_prompt_lists_answer_every_choice(stack):
     for i, choice in enumerate(chat.choices):
         parts = [c.choices[0].delta.content or "" for c in streamed if c.choices and c.choices[0].index == i]
         assert "".join(parts) == choice.message.content
+
+
+def test_openai_usage_reports_prompt_tokens_found_in_the_prefix_cache(stack):
+    prompt = " ".join(f"word{i}" for i in range(60))  # well over one 16-token block
+    kw = {"model": "builtin:tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    first = stack.oai.completions.create(**kw)
+    again = stack.oai.completions.create(**kw)
+    assert again.choices[0].text == first.choices[0].text
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens and cached % 16 == 0

@@ -1,0 +1,237 @@
+"""The batcher's accounting of its running set: each request's projection entry, the profile built
+from them, and paged memory (blocks from the ledger, cached prefix blocks charged once to their
+longest-lived holder). A mixin of Batcher (admission.py), which owns the state it reads."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .projection import Entry, PaddedProfile, TokenProfile
+from .request import Request
+
+if TYPE_CHECKING:
+    from .blocks import BlockLedger
+    from .config import BatcherConfig
+    from .prefix import SharedBlocks
+    from .reservations import Reservations
+    from .weight import PaddedWeight, TokenWeight
+
+
+class Accounting:
+    config: BatcherConfig
+    weight: TokenWeight | PaddedWeight
+    step: int
+    running: dict[str, Request]
+    reservations: Reservations
+    ledger: BlockLedger | None
+    shared: SharedBlocks
+    stats: object
+    _admit_budget: int
+    _committed: int
+    _profile: TokenProfile | PaddedProfile
+    _entries: dict[str, Entry]
+    _shared_entries: dict[str, Entry]
+    _changes: list[tuple[Entry, int]] | None
+    _prefilling: dict[str, Request]
+    _stale: bool
+    REBUILD_AFTER: int
+
+    _typical: int
+    _idle: bool
+    waiting: list[Request]
+
+    # ----- weights ----------------------------------------------------------------------------------
+    def batch_weight(self) -> int:
+        """The weight the running requests hold now (their tokens so far, whole prompts included)."""
+        running, b = self.running.values(), self.weight.block_size
+        own = [r.context_len - r.shared * b for r in running]
+        return self.weight.batch(own, [r.fixed_len for r in running]) + self.shared.held * b
+
+    def room_for(self) -> int:
+        """How many more requests of the typical size (recent admissions' reserved weight) would fit
+        by the naive sum after everything already waiting (at its worst case) is admitted: what a
+        worker may take from a shared queue without hoarding. Waiting work counts, not blocks:
+        requests held back only by the prefill cap start within a few steps."""
+        typical = self._typical or self.weight.seq(self.config.max_total_tokens)
+        pending = sum(self.weight.seq(r.max_total) for r in self.waiting)
+        held = self.shared.held * self.weight.block_size
+        return max(0, (self.budget - self._committed - held - pending) // typical)
+
+    def projected_peak(self) -> int:
+        return self._get_profile().peak() if self.running else 0
+
+    def _next_weight(self) -> int:
+        """The weight after the next step if every running request emits a token (a prefilling one
+        emits with its last chunk, so it is counted as growing too: conservative by at most a block)."""
+        running, b = self.running.values(), self.weight.block_size
+        own = [r.context_len + 1 - r.shared * b for r in running]
+        return self.weight.batch(own, [r.fixed_len for r in running]) + self.shared.held * b
+
+    def _running_changed(self) -> None:
+        """The running set or a reservation changed: prefilling requests' entries (which depend on the
+        step and on the chunks ahead of them) are recomputed before the next decision, and the queue
+        gets a real pass."""
+        self._stale = True
+        self._idle = False
+
+    # ----- projection entries ---------------------------------------------------------------------
+    def _release(self, req: Request) -> None:
+        self._committed -= self._own_final(req)
+        self.reservations.forget(req.id)
+        self._prefilling.pop(req.id, None)
+        if req.shared:
+            changed, _freed = self.shared.leave(req.id, self._finish_of)
+            self._set_shared_entry(req.id, None)
+            self._sync_shared(changed)
+        self._set_entry(req.id, None)
+        if self.ledger is not None:
+            self.ledger.release(req.block_table)
+        req.shared = 0
+        self._running_changed()
+
+    def _own_final(self, req: Request) -> int:
+        """The weight a request reserves for itself: its final length less the cached blocks it holds."""
+        return self.weight.seq(req.reserved_total) - req.shared * self.weight.block_size
+
+    def _finish_of(self, request_id: str) -> int:
+        return self._entries[request_id].finish
+
+    def _entry(self, req: Request, chunk: int, ahead: int) -> Entry:
+        """Projection entry for `req`, which feeds `chunk` tokens this step with `ahead` prompt
+        tokens of earlier requests still to prefill after this step."""
+        remaining = req.reserved_new - req.generated
+        rest = req.prefill_left - chunk
+        shared = req.shared * self.weight.block_size  # cached blocks are charged apart (prefix.py)
+        offset, final = req.context_len - self.step - shared, req.reserved_total - shared
+        if rest <= 0:
+            return Entry(self.step + remaining, offset, final, True, req.fixed_len)
+        cap = self.config.max_prefill_weight
+        delay = -(-(ahead + rest) // cap)  # FIFO: every later step gives earlier prompts the full cap
+        return Entry(self.step + delay + remaining, offset, final, False, req.fixed_len)
+
+    def _decoding_entry(self, req: Request) -> Entry:
+        """A decoding request's entry: the same at every step (absolute steps) until its reservation changes."""
+        inp = req.input_len - req.shared * self.weight.block_size
+        gen, res, step = req.generated, req.reserved_new, self.step
+        return Entry(step + res - gen, inp + gen - step, inp + res, True, req.fixed_len)
+
+    def _set_entry(self, request_id: str, entry: Entry | None) -> None:
+        """Record a running request's entry (None: it left); the profile takes the change in when next used.
+        A holder of cached blocks whose finish moves takes or gives up the blocks it outlives or no longer does."""
+        old = self._change(self._entries, request_id, entry)
+        if old is not None and entry is not None and old.finish != entry.finish and request_id in self.shared.keys:
+            self._sync_shared(self.shared.refinish(request_id, old.finish, self._finish_of) | {request_id})
+
+    def _change(self, entries: dict[str, Entry], key: str, entry: Entry | None) -> Entry | None:
+        old = entries.pop(key, None)
+        if entry is not None:
+            entries[key] = entry
+        changes = self._changes
+        if entry == old or changes is None:
+            return old
+        if old is not None:
+            changes.append((old, -1))
+        if entry is not None:
+            changes.append((entry, 1))
+        if len(changes) > self.REBUILD_AFTER:
+            self._changes = None  # one rebuild is cheaper than applying this many
+        return old
+
+    def _refresh_prefilling(self) -> None:
+        """Entries of requests still prefilling, from this step's chunks (assigned as in _running_work)."""
+        cap = self.config.max_prefill_weight
+        left, ahead = cap, 0
+        for req in self._prefilling.values():
+            chunk = req.prefill_left
+            if cap:
+                chunk = min(chunk, left)
+                left -= chunk
+            self._set_entry(req.id, self._entry(req, chunk, ahead))
+            ahead += req.prefill_left - chunk
+        self._stale = False
+
+    def _get_profile(self) -> TokenProfile | PaddedProfile:
+        """The running set's profile, brought up to date: each entry change since the last use is applied
+        in place (O(running) each), or, after many of them, the profile is rebuilt."""
+        if self._stale:
+            self._refresh_prefilling()
+        if self._changes is None:
+            self._profile = self.weight.profile([*self._entries.values(), *self._shared_entries.values()])
+            self._changes = []
+        for entry, sign in self._changes:
+            if sign > 0:
+                self._profile.add(entry)
+            else:
+                self._profile.remove(entry)
+        self._changes.clear()
+        return self._profile
+
+    # ----- paged memory: blocks and the prefix cache ------------------------------------------------
+
+    def _allocate(self, req: Request, tokens: int) -> None:
+        """Blocks for a prompt chunk that ends at `tokens`; the prompt blocks it fills join the prefix
+        cache. Keyed the moment they are handed out: a request admitted later in this same step finds
+        them, and reads their KV after this step's writes (attention writes a layer's K/V first)."""
+        ledger = self.ledger
+        if ledger is None:
+            return
+        ledger.grow(req.block_table, tokens)
+        full = min(len(req.prefix), tokens // ledger.block_size)
+        first = i = req.shared
+        while i < full and ledger.register(req.block_table[i], req.prefix[i]):
+            i += 1
+        if i > first:  # its own blocks become cached blocks it holds (and is charged for while it lives)
+            self._committed -= (i - first) * ledger.block_size
+            req.shared = i
+            self._sync_shared(self.shared.join(req.id, req.prefix[first:i], self._finish_of))
+            self._running_changed()
+
+    def _lookup(self, req: Request) -> int:
+        """A waiting request's prompt blocks found in the cache: they become its first blocks, and its
+        prefill starts after them (at least one token is always computed, for its logits)."""
+        ledger = self.ledger
+        if ledger is None or not ledger.caching or not req.prefix:
+            return 0
+        hits = ledger.hits(req.prefix, (req.context_len - 1) // ledger.block_size)
+        req.shared, req.prefilled = hits, hits * ledger.block_size
+        return hits
+
+    def _fits_sharing(self, req: Request, chunk: int, ahead: int) -> bool:
+        """fits() for a request that would hold cached blocks: exact, counting each block once."""
+        b = self.weight.block_size
+        profile = self._get_profile()
+        entry = self._entry(req, chunk, ahead)
+        new, extended = self.shared.plan(req.prefix[: req.shared], entry.finish, self._finish_of)
+        if self._committed + (self.shared.held + new) * b + self._own_final(req) <= self._admit_budget:
+            self.stats.admitted_fast += 1
+            return True
+        if profile.admits_sharing(entry, new, extended, self._admit_budget):
+            self.stats.admitted_projected += 1
+            return True
+        self.stats.rejected_projected += 1
+        return False
+
+    def _set_shared_entry(self, request_id: str, entry: Entry | None) -> None:
+        self._change(self._shared_entries, request_id, entry)
+
+    def _sync_shared(self, request_ids: set[str]) -> None:
+        """The cached blocks charged to these holders changed: so do their constant entries."""
+        b = self.weight.block_size
+        for rid in request_ids:
+            n = self.shared.anchored.get(rid, 0)
+            self._set_shared_entry(rid, Entry(self._finish_of(rid), 0, n * b, False) if n else None)
+
+    def check_memory(self) -> None:
+        """Invariants (tests): the ledger agrees with the block tables, each cached block held is
+        charged once to its longest-lived holder, and the blocks held stay within the weight."""
+        if self.ledger is None:
+            return
+        self._get_profile()
+        running = list(self.running.values())
+        self.ledger.check([r.block_table for r in running])
+        self.shared.check(self._finish_of)
+        b = self.ledger.block_size
+        assert self.ledger.used * b <= self.batch_weight(), "blocks held beyond the batch weight"
+        for r in running:
+            assert len(r.block_table) * b >= r.prefilled, f"{r.id}: KV beyond its blocks"
+            assert len(self.shared.keys.get(r.id, ())) == r.shared, f"{r.id}: cached blocks miscounted"
