@@ -54,6 +54,9 @@ def celery_config(s: Settings, url: str | None = None) -> dict:
             # a poison job's redelivery never came). A restore takes milliseconds, and restoring a tag
             # twice is prevented by kombu's WATCH transaction, so the lock may lapse soon.
             "unacked_mutex_expire": 10,
+            # a list per priority (tasks.schema.broker_priority), the most urgent taken first
+            "priority_steps": list(range(10)),
+            "queue_order_strategy": "priority",
             **sentinel.get("broker_transport_options", {}),
         },
         **({"result_backend_transport_options": sentinel["result_backend_transport_options"]} if sentinel else {}),

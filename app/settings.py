@@ -46,6 +46,7 @@ class Settings(BaseSettings):
         "auto"  # paged | padded | auto (padded for T5/BART ...) | simulated (a measuring tool: engine/simulated.py)
     )
     compile: Literal["auto", "on", "off"] = "auto"  # torch.compile the paged runner (auto: on for CPU)
+    priority_headroom: float = 0.1  # share of the KV budget background classes (priority < 5) may not take
     prefix_cache: bool = True  # paged runner: reuse the KV of repeated prompt prefixes (PREFIX_CACHE=0: off)
     sim_step_cost: str = ""  # RUNNER=simulated (a measuring tool): "fixed_s,per_token_s,per_kv_token_s"
     torch_threads: int = 0  # the engine's intra-op threads; 0: torch's default (one per core)
@@ -85,6 +86,9 @@ class Settings(BaseSettings):
     gateway_host: str = "127.0.0.1"
     gateway_port: int = 8000
     api_key: str = ""  # when set, every route but /health needs `Authorization: Bearer <key>` (comma: several)
+    key_priorities: str = (
+        ""  # "key:class,...": a key's jobs run at that priority class, the most its X-Priority may ask
+    )
     max_concurrent_per_client: int = 0  # generation requests in progress per key (or address); 0: no limit
     rate_limit_per_s: float = 0.0  # generation requests per second per key (or address); 0: no limit
     rate_burst: int = 0  # the rate limit's bucket (0: max(1, RATE_LIMIT_PER_S))
@@ -137,6 +141,7 @@ class Settings(BaseSettings):
             runner=self.runner,  # type: ignore[arg-type]
             sim_step_cost=self.sim_step_cost,
             prefix_cache=self.prefix_cache,
+            priority_headroom=self.priority_headroom,
             compile=self.compile,  # type: ignore[arg-type]
             torch_threads=self.torch_threads,
         )

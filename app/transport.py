@@ -68,10 +68,17 @@ class StaleChannelSafe:
             pipe = client.pipeline()
             if requeue and raw is not None:
                 message, _, routing_key = kombu_redis.loads(raw)
-                pipe.lpush(routing_key, kombu_redis.dumps(message))  # the default exchange: key = queue
+                queue = self._q_for_pri(routing_key, self._get_message_priority(message, reverse=False))
+                pipe.lpush(queue, kombu_redis.dumps(message))  # the default exchange: key = queue, per priority
             pipe.zrem(self.unacked_index_key, delivery_tag)
             pipe.hdel(self.unacked_key, delivery_tag)
             pipe.execute()
+
+
+def priority_queues(queue: str) -> list[str]:
+    """The Redis lists of a queue, one per message priority (app/celery.py: priority_steps 0-9), in the
+    order kombu takes them: priority 0 (the most urgent class, tasks.schema.broker_priority) first."""
+    return [queue] + [f"{queue}{kombu_redis.Channel.sep}{p}" for p in range(1, 10)]
 
 
 class Channel(StaleChannelSafe, kombu_redis.Channel):

@@ -1,6 +1,7 @@
 """The batcher's accounting of its running set: each request's projection entry, the profile built
 from them, and paged memory (blocks from the ledger, cached prefix blocks charged once to their
-longest-lived holder). A mixin of Batcher (admission.py), which owns the state it reads."""
+longest-lived holder), and predictive mode's growing reservations and preemption. A mixin of Batcher
+(admission.py), which owns the state it reads."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from .request import Request
 if TYPE_CHECKING:
     from .blocks import BlockLedger
     from .config import BatcherConfig
+    from .estimator import OutputLengthEstimator
     from .prefix import SharedBlocks
     from .reservations import Reservations
     from .weight import PaddedWeight, TokenWeight
@@ -38,6 +40,9 @@ class Accounting:
 
     _typical: int
     _idle: bool
+    _order: dict[str, tuple[int, float, int]]
+    estimator: OutputLengthEstimator | None
+    PREEMPT_SHARE: float
     waiting: list[Request]
 
     # ----- weights ----------------------------------------------------------------------------------
@@ -235,3 +240,42 @@ class Accounting:
         for r in running:
             assert len(r.block_table) * b >= r.prefilled, f"{r.id}: KV beyond its blocks"
             assert len(self.shared.keys.get(r.id, ())) == r.shared, f"{r.id}: cached blocks miscounted"
+
+    # ----- predictive mode: reservations that grow, and preemption ------------------------------------
+    def _regrow(self) -> list[Request]:
+        """Predictive mode: extend reservations that ran out, then, if the next step's growth would not
+        fit in the budget, preempt the newest requests until it does. The budget is never exceeded.
+
+        A projection that overflows after a reservation grows stops admission, but preempts nothing:
+        reservations are estimates, and most running requests finish well inside theirs."""
+        for req in self.running.values():
+            if req.decoding and req.generated >= req.reserved_new:
+                old = self.weight.seq(req.reserved_total)
+                req.reserved_new = self.reservations.reserve(req)
+                self._committed += self.weight.seq(req.reserved_total) - old
+                self.reservations.track(req)
+                self._set_entry(req.id, self._decoding_entry(req))
+                self._running_changed()
+        preempted: list[Request] = []
+        cap = self.config.max_preemptions
+        while self.running and self._next_weight() > self.budget:
+            # of the lowest class, the newest request that has not used up its preemptions (else the newest):
+            # it has the least work to redo, and a request never waits behind more than `cap` restarts of its own
+            victim = max(self.running.values(), key=lambda r: (r.preemptions < cap, self._order[r.id]))
+            self._preempt(victim)
+            preempted.append(victim)
+        st = self.stats
+        if preempted and self.estimator is not None and st.preempted_tokens > self.PREEMPT_SHARE * st.generated_tokens:
+            self.estimator.tighten()
+        return preempted
+
+    def _preempt(self, req: Request) -> None:
+        """Send a running request back to the queue; it keeps its tokens and is prefilled again."""
+        del self.running[req.id]
+        self._release(req)
+        self.stats.preemptions += 1
+        self.stats.preempted_tokens += req.prefilled
+        req.preemptions += 1
+        req.prefilled = 0
+        req.decoding = False
+        self._enqueue(req)

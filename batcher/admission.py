@@ -4,11 +4,14 @@ Each step `schedule(now)` returns a StepPlan (prompt chunks to prefill, sequence
 requests admitted or preempted); the engine runs it and reports back with `complete(plan)`,
 then `finish(id)` for every request that ended (EOS, stop sequence, length).
 
-Admission walks the waiting queue in arrival order and admits a candidate only if the projected
-weight of the running requests plus the candidate stays within max_batch_weight at every future
-step (see projection.py). Candidates that pass the naive test — the sum of everyone's final
-weight fits — skip the projection. A later request may jump one that does not fit, but only if it
-arrived within jump_window_s after it, and never once that one has waited max_wait_s.
+Admission walks the waiting queue by priority class (higher first), in arrival order within a class,
+and admits a candidate only if the projected weight of the running requests plus the candidate stays
+within max_batch_weight at every future step (see projection.py). Candidates that pass the naive
+test — the sum of everyone's final weight fits — skip the projection. A later request of the same
+class may jump one that does not fit, but only if it arrived within jump_window_s after it, and never
+once that one has waited max_wait_s; a lower class never jumps a higher one. Nothing starves: a
+request that has waited max_wait_s ranks with the top class. Classes below headroom_priority may
+not take the last priority_headroom of the budget, so a higher-class request starts at once.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from .projection import Entry, PaddedProfile, TokenProfile
 from .request import Request, RequestRejected
 from .reservations import Reservations
 from .weight import weight_model
+
+TOP_PRIORITY = 9
 
 
 @dataclass(slots=True)
@@ -85,7 +90,10 @@ class Batcher(Accounting):
         self.running: dict[str, Request] = {}  # admission order
         self.step = 0  # steps completed
         self.stats = BatcherStats()
-        self._order: dict[str, tuple[float, int]] = {}  # arrival sort key of every known request
+        # queue sort key of every known request: (-class, arrival, sequence); aging raises the class
+        self._order: dict[str, tuple[int, float, int]] = {}
+        self._classes: set[int] = set()  # priorities ever submitted (one: no aging pass needed)
+        self._headroom = int(cfg.priority_headroom * self.budget)
         self._seq = 0
         self._committed = 0  # sum of reserved final weights (token model)
         self._typical = 0  # moving average of admitted requests' reserved weight
@@ -129,10 +137,13 @@ class Batcher(Accounting):
             )
         if req.id in self._order:
             raise RequestRejected("id", f"request id {req.id!r} is already queued or running")
+        if not 0 <= req.priority <= TOP_PRIORITY:
+            raise RequestRejected("priority", f"must be an integer in [0, {TOP_PRIORITY}] (got {req.priority})")
 
     def submit(self, req: Request) -> None:
         self.check(req)
-        self._order[req.id] = (req.arrival_s, self._seq)
+        self._order[req.id] = (-req.priority, req.arrival_s, self._seq)
+        self._classes.add(req.priority)
         self._seq += 1
         self._enqueue(req)
 
@@ -171,6 +182,8 @@ class Batcher(Accounting):
                 est.refresh([r.generated for r in self.running.values() if not r.runs_to_max])
             plan.preempted = self._regrow()
         prefill_state = self._running_work(plan)
+        if len(self._classes) > 1 and self.waiting and self._age(now):
+            self._idle = False  # a request moved up: the queue deserves a real pass
         if self.waiting and not self._idle:
             self._admit(now, plan, prefill_state)
         elif self.waiting:
@@ -259,15 +272,30 @@ class Batcher(Accounting):
         self.stats.rejected_projected += 1
         return False
 
+    def _age(self, now: float) -> bool:
+        """A request that has waited max_wait_s ranks with the top class from now on: nothing starves.
+        True when one moved up."""
+        cut = now - self.config.max_wait_s
+        order, aged = self._order, False
+        for r in self.waiting:
+            rank, arrival, seq = order[r.id]
+            if rank > -TOP_PRIORITY and arrival <= cut:
+                order[r.id] = (-TOP_PRIORITY, arrival, seq)
+                aged = True
+        if aged:
+            self.waiting.sort(key=lambda r: order[r.id])
+        return aged
+
     def _admit(self, now: float, plan: StepPlan, prefill_state: list[int]) -> None:
         cfg = self.config
+        order = self._order
         size_cap = cfg.max_batch_size
         count, longest, total = prefill_state
         ahead = sum(r.prefill_left for r in self.running.values() if not r.decoding) - total
         first_blocked: Request | None = None
         first_idx = 0
         taken: list[int] = []
-        refused: list[tuple[int, int, int]] = []
+        refused: list[tuple[int, int, int, int]] = []
         for idx, cand in enumerate(self.waiting):
             if size_cap and len(self.running) >= size_cap:
                 break
@@ -276,6 +304,7 @@ class Batcher(Accounting):
                 or idx - first_idx > cfg.jump_scan
                 or cand.arrival_s - first_blocked.arrival_s > cfg.jump_window_s
                 or now - first_blocked.arrival_s > cfg.max_wait_s
+                or order[cand.id][0] != order[first_blocked.id][0]  # a lower class never jumps a higher one
             ):
                 break
             hits = self._lookup(cand)
@@ -291,19 +320,25 @@ class Batcher(Accounting):
                 continue
             res = self.reservations
             cand.reserved_new = res.reserve(cand)
-            if self.estimator is not None:  # alone, a request always fits: its worst case does (check)
-                self._admit_budget = self.budget - (res.margin(res.variance(cand)) if self.running else 0)
+            # alone, a request always fits: its worst case does (check); no margin or headroom then
+            budget = self.budget
+            if self.running:
+                if self.estimator is not None:
+                    budget -= res.margin(res.variance(cand))
+                if -order[cand.id][0] < cfg.headroom_priority:
+                    budget -= self._headroom
+            self._admit_budget = budget
             ctx, res, fix = cand.context_len, cand.reserved_new, cand.fixed_len
             # A candidate at least as long in context, reservation and fixed part (and in the rest) as
             # one refused in this pass is refused too (it weighs at least as much at every step).
             # (Not for a candidate with cached blocks: they weigh less than their length.)
             dominated = not hits and any(
-                c <= ctx and r <= res and f <= fix and c - f <= ctx - fix for c, r, f in refused
+                c <= ctx and r <= res and f <= fix and c - f <= ctx - fix and b >= budget for c, r, f, b in refused
             )
             if dominated or not self.fits(cand, chunk, ahead):
                 cand.shared = cand.prefilled = 0
                 if not dominated and not hits and len(refused) < 16:
-                    refused.append((ctx, res, fix))
+                    refused.append((ctx, res, fix, budget))
                 if first_blocked is None:
                     first_blocked, first_idx = cand, idx
                 continue
@@ -355,41 +390,3 @@ class Batcher(Accounting):
         self._prefilling[req.id] = req
         self._running_changed()
         self.stats.admitted += 1
-
-    def _preempt(self, req: Request) -> None:
-        """Send a running request back to the queue; it keeps its tokens and is prefilled again."""
-        del self.running[req.id]
-        self._release(req)
-        self.stats.preemptions += 1
-        self.stats.preempted_tokens += req.prefilled
-        req.preemptions += 1
-        req.prefilled = 0
-        req.decoding = False
-        self._enqueue(req)
-
-    def _regrow(self) -> list[Request]:
-        """Predictive mode: extend reservations that ran out, then, if the next step's growth would not
-        fit in the budget, preempt the newest requests until it does. The budget is never exceeded.
-
-        A projection that overflows after a reservation grows stops admission, but preempts nothing:
-        reservations are estimates, and most running requests finish well inside theirs."""
-        for req in self.running.values():
-            if req.decoding and req.generated >= req.reserved_new:
-                old = self.weight.seq(req.reserved_total)
-                req.reserved_new = self.reservations.reserve(req)
-                self._committed += self.weight.seq(req.reserved_total) - old
-                self.reservations.track(req)
-                self._set_entry(req.id, self._decoding_entry(req))
-                self._running_changed()
-        preempted: list[Request] = []
-        cap = self.config.max_preemptions
-        while self.running and self._next_weight() > self.budget:
-            # the newest request that has not used up its preemptions (else the newest): it has the least work
-            # to redo, and a request never waits behind more than `cap` restarts of its own
-            victim = max(self.running.values(), key=lambda r: (r.preemptions < cap, self._order[r.id]))
-            self._preempt(victim)
-            preempted.append(victim)
-        st = self.stats
-        if preempted and self.estimator is not None and st.preempted_tokens > self.PREEMPT_SHARE * st.generated_tokens:
-            self.estimator.tighten()
-        return preempted

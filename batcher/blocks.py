@@ -122,6 +122,16 @@ class BlockLedger:
                     self._idle[key] = None
         table.clear()
 
+    def drop_cache(self) -> int:
+        """Evict every idle cached block (a benchmark's cold start); returns how many there were."""
+        n = len(self._idle)
+        for key in self._idle:
+            b = self._block_of.pop(key)
+            del self._key_of[b]
+            self._free.append(b)
+        self._idle.clear()
+        return n
+
     def forget(self, blocks: Sequence[int]) -> None:
         """Unregister `blocks` (their KV was never written: a failed step); they stay held until released."""
         for b in blocks:

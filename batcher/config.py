@@ -34,6 +34,8 @@ class BatcherConfig:
     predictive_margin: predictive mode's safety margin, in standard deviations of the running set's
         total remaining output, held back from admission; the batcher widens it after preemptions
         past its allowance and lets it ease back as requests finish.
+    priority_headroom: share of max_batch_weight that requests of a class below `headroom_priority` may
+        not take while anything runs: room kept for a higher-class request to start at once.
     prefix_caching: keep the KV blocks of prompts (keyed by their tokens) after their requests finish
         and let later requests with the same prefix reuse them (token model; requests carry the keys).
     max_preemptions: a request preempted this many times is readmitted with its worst case reserved
@@ -56,6 +58,8 @@ class BatcherConfig:
     predictive_window: int = 4096
     max_preemptions: int = 2
     prefix_caching: bool = False
+    priority_headroom: float = 0.0
+    headroom_priority: int = 5
 
     def resolved(self) -> BatcherConfig:
         """Fill in max_batch_weight and check that one maximal request fits; raises ConfigError."""
@@ -72,6 +76,8 @@ class BatcherConfig:
             raise ConfigError(f"mode must be 'worst_case' or 'predictive' (got {cfg.mode!r})")
         if cfg.weight_model == "padded" and cfg.chunked_prefill and cfg.max_prefill_weight:
             cfg = replace(cfg, chunked_prefill=False)  # a padded batch prefills whole prompts
+        if not 0.0 <= cfg.priority_headroom < 1.0:
+            raise ConfigError(f"priority_headroom must be in [0, 1) (got {cfg.priority_headroom})")
         if cfg.max_preemptions < 0:
             raise ConfigError(f"max_preemptions must be >= 0 (got {cfg.max_preemptions})")
         if not 0.0 <= cfg.predictive_margin <= 10.0:

@@ -37,6 +37,7 @@ class Request:
     preemptions: int = 0
     fixed_len: int = 0
     runs_to_max: bool = False  # nothing can end it early (EOS ignored, no stop conditions): its length is known
+    priority: int = 0  # its class, 0-9: a higher class is admitted first (admission.py)
     prefix: tuple[bytes, ...] = ()
     shared: int = 0
     cached: int = 0

@@ -63,8 +63,9 @@ def median_us(fn, repeats: int) -> float:
 def put_back(b: Batcher, req: Request) -> None:
     """Admit a request that just finished again, decoding where it was: what admission and its first
     step would do, so that the running set keeps its size and shape."""
-    b._order[req.id] = (req.arrival_s, 0)
-    b._start(req)
+    b._order[req.id] = (-req.priority, req.arrival_s, 0)
+    req.prefilled = 0
+    b._start(req, req.context_len, 0)
     req.prefilled, req.decoding = req.context_len, True
     del b._prefilling[req.id]
     b._set_entry(req.id, b._decoding_entry(req))

@@ -155,6 +155,7 @@ def main() -> None:
             elapsed, cpu = time.perf_counter() - t, cpu_seconds(pids) - cpu
             ids = [list(o.outputs[0].token_ids) for o in outs]
             reply: dict[str, Any] = {"ok": True, "elapsed_s": elapsed, "cpu_s": cpu, "tokens": sum(map(len, ids))}
+            reply["cached_tokens"] = sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outs)
             if msg.get("token_ids"):
                 reply["token_ids"] = ids
             send(reply)

@@ -56,5 +56,6 @@ class EngineConfig:
     seed: int = 0
     allow_download: bool = True  # False: a hub id must already be in the local cache
     sim_step_cost: str = ""  # runner="simulated": "fixed_s,per_token_s,per_kv_token_s" (default: StepCost())
+    priority_headroom: float = 0.1  # share of the budget classes below the default may not take
     prefix_cache: bool = True  # paged runner: reuse the KV of repeated prompt prefixes (PREFIX_CACHE=0: off)
     check_invariants: bool = False  # tests: verify the KV pool and the budget after every step

@@ -151,6 +151,11 @@ class Engine(StepOutputs):
         b = self.batcher
         return not b.running and not b.waiting and not self._inbox and not self._deferred
 
+    def reset_prefix_cache(self) -> int:
+        """Drop the cached prompt blocks no request holds (benchmarks' cold starts); returns how many."""
+        ledger = self.batcher.ledger
+        return ledger.drop_cache() if ledger is not None else 0
+
     def room_for(self) -> int:
         """How many more typical requests a worker may take now (Batcher.room_for)."""
         return self.batcher.room_for()
@@ -278,7 +283,9 @@ class Engine(StepOutputs):
             raise InvalidRequest("prompt", f"{len(ids)} tokens exceeds max_input_length {self.max_input_length}")
         # An encoder-decoder's input is its encoder's: padded on its own, the batcher's fixed part.
         fixed = len(ids) if self.lm.seq2seq else 0
-        sched = Request(request.id, len(ids), params.max_new_tokens, arrival_s=now, fixed_len=fixed)
+        sched = Request(
+            request.id, len(ids), params.max_new_tokens, arrival_s=now, fixed_len=fixed, priority=request.priority
+        )
         sched.runs_to_max = params.ignore_eos and not params.stop and not params.stop_token_ids
         ledger = self.batcher.ledger
         if ledger is not None and ledger.caching and params.prompt_logprobs is None:

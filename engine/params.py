@@ -101,6 +101,9 @@ class SamplingParams:
                 raise InvalidRequest(name, f"must be an integer in [0, {MAX_LOGPROBS}] (got {k!r})")
 
 
+DEFAULT_PRIORITY = 5  # the class of a request that names none; lower classes leave the priority headroom
+
+
 @dataclass(slots=True)
 class GenerationRequest:
     """One generation: a prompt (text or token ids) and its sampling parameters."""
@@ -110,6 +113,7 @@ class GenerationRequest:
     prompt_token_ids: list[int] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
     messages: list[dict[str, str]] | None = None  # a chat, rendered with the tokenizer's chat template
+    priority: int = DEFAULT_PRIORITY  # its class, 0-9: higher is admitted first (batcher/admission.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from .flash import available as flash_available
 from .kv_cache import KVCache, derive_capacity
 from .models import LoadedModel, choose_runner, load_model, resolve_device
 from .padded import PaddedRunner, measure_padded
+from .params import DEFAULT_PRIORITY
 from .runner import ModelRunner, Runner
 from .simulated import SIMULATED_GEOMETRY, SimulatedRunner
 
@@ -205,6 +206,8 @@ def make_batcher(cfg: EngineConfig, weight: int, max_total: int, why: str, *, bl
                 predictive_margin=cfg.predictive_margin,
                 max_preemptions=cfg.max_preemptions,
                 prefix_caching=paged and cfg.prefix_cache,
+                priority_headroom=cfg.priority_headroom,
+                headroom_priority=DEFAULT_PRIORITY,
             )
         )
     except ConfigError as e:

@@ -12,7 +12,8 @@ Keys (all expire; see Settings):
   weightq:job:{id}     a hash: state (queued | running | done | cancelled), attempt, cancel, result,
                        error and field (a failed job), request and queued_at (for recovery)
   weightq:queued       a sorted set: ids of jobs submitted and not yet started, by submission time
-  weightq:started_hw   the latest submission time of any job that has started (FIFO high-water mark)
+  weightq:started-hw   a hash: per priority class, the latest submission time of a job of that class
+                       that has started (FIFO high-water marks: the broker keeps a list per class)
   weightq:dead         a list: JSON records of dead-lettered jobs (too many attempts), newest first
   weightq:workers      a hash: each worker's heartbeat (its stats as JSON, with "ts")
   weightq:cancel       a pub/sub channel: a running job's id, published when a client cancels it
@@ -42,7 +43,7 @@ STREAM_PREFIX = "weightq:stream:"
 JOB_PREFIX = "weightq:job:"
 CANCEL_CHANNEL = "weightq:cancel"
 QUEUED = "weightq:queued"
-STARTED_HW = "weightq:started_hw"
+STARTED_HW = "weightq:started-hw"
 DEAD = "weightq:dead"
 HEARTBEATS = "weightq:workers"
 RECOVER_LOCK = "weightq:recover-lock"
@@ -225,7 +226,7 @@ return 0
 # answers the same attempt: retries never count as attempts.
 # KEYS: job hash, stream, queued set, high-water mark, dead list.
 # ARGV: stream maxlen, stream ttl, job ttl, max attempts, now, worker name, job id, cancelled result,
-# run id (unique per run).
+# run id (unique per run), the job's priority class.
 BEGIN = """
 local state = redis.call('HGET', KEYS[1], 'state')
 redis.call('ZREM', KEYS[3], ARGV[7])
@@ -242,7 +243,7 @@ if state == 'running' and redis.call('HGET', KEYS[1], 'run') == ARGV[9] then
   return {tonumber(redis.call('HGET', KEYS[1], 'attempt')), ''}
 end
 local q = tonumber(redis.call('HGET', KEYS[1], 'queued_at') or '0')
-if q > tonumber(redis.call('GET', KEYS[4]) or '0') then redis.call('SET', KEYS[4], q) end
+if q > tonumber(redis.call('HGET', KEYS[4], ARGV[10]) or '0') then redis.call('HSET', KEYS[4], ARGV[10], q) end
 local n = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 if n > tonumber(ARGV[4]) then

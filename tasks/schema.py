@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from engine import SamplingParams
 from engine.grammar import guided_spec
-from engine.params import GUIDED_KINDS, MAX_LOGPROBS
+from engine.params import DEFAULT_PRIORITY, GUIDED_KINDS, MAX_LOGPROBS
 
 MAX_PROMPT_CHARS = 1_000_000
 MAX_STOP = 32
@@ -45,7 +45,9 @@ FIELDS = {
     "logprobs",
     "prompt_logprobs",
     "guided",
+    "priority",
 }
+MAX_PRIORITY = 9
 
 
 class RequestError(ValueError):
@@ -71,6 +73,13 @@ class JobSpec:
     prompt_token_ids: list[int] | None
     params: SamplingParams
     messages: list[dict[str, str]] | None = None
+    priority: int = DEFAULT_PRIORITY
+
+
+def broker_priority(request: dict) -> int:
+    """The Celery message priority of a request's job on Redis, where kombu takes priority 0 first
+    and counts a message without one as 0: every message names it, the most urgent class as 0."""
+    return MAX_PRIORITY - request.get("priority", DEFAULT_PRIORITY)
 
 
 def _int(d: dict, name: str, default: int, lo: int, hi: int) -> int:
@@ -165,7 +174,8 @@ def parse_request(data: object) -> JobSpec:
     )
     if params.guided is not None and (params.ignore_eos or params.min_tokens):
         raise RequestError("guided", "cannot be combined with ignore_eos or min_tokens (the grammar ends it)")
-    return JobSpec(rid, prompt, list(ids) if ids is not None else None, params, messages)
+    priority = _int(data, "priority", DEFAULT_PRIORITY, 0, MAX_PRIORITY)
+    return JobSpec(rid, prompt, list(ids) if ids is not None else None, params, messages, priority)
 
 
 def _logit_bias(bias: object) -> tuple[tuple[int, float], ...]:

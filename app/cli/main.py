@@ -7,7 +7,7 @@ import json
 import sys
 
 from batcher import BatcherConfig, ConfigError
-from batcher.sim import POLICIES, StepCost, load_trace, sharegpt_like, simulate_policies
+from batcher.sim import POLICIES, StepCost, load_trace, sharegpt_like, simulate_mixed, simulate_policies
 
 from .batch_cmd import batch_parser
 from .redis_server import ensure_redis
@@ -46,6 +46,19 @@ def _sim_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--prefix-cache", action="store_true", help="reuse the KV of trace prefix groups (prefix_group, prefix_len)"
     )
+    p.add_argument(
+        "--priority-headroom",
+        type=float,
+        default=0.1,
+        help="share of the budget classes below 5 may not take (default 0.1, as the engine's)",
+    )
+    p.add_argument(
+        "--preset",
+        choices=["mixed"],
+        default=None,
+        help="mixed: 20%% interactive (priority 9) and 80%% background (0) at --rate (default 6/s), "
+        "with priorities, interactive alone, and one class; prints interactive TTFT p99 and throughput ratios",
+    )
     p.add_argument("--jump-window", type=float, default=1.0, help="seconds a later request may jump (0 = FIFO)")
     p.add_argument("--max-wait", type=float, default=30.0, help="seconds after which nothing jumps a request")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of the policies")
@@ -71,11 +84,17 @@ def cmd_sim(args: argparse.Namespace) -> int:
         jump_window_s=args.jump_window,
         max_wait_s=args.max_wait,
         prefix_caching=args.prefix_cache,
+        priority_headroom=args.priority_headroom,
     )
     try:
         cfg = cfg.resolved()
     except ConfigError as e:
         raise SystemExit(f"weightq sim: {e}") from e
+    if args.preset == "mixed":
+        kw = {"rate": args.rate} if args.rate else {}
+        mixed = simulate_mixed(cfg, args.step_cost, n=args.requests, seed=args.seed, **kw)
+        print(json.dumps(mixed, indent=None if args.json else 2))
+        return 0
     if args.trace:
         trace = load_trace(args.trace, args.max_new_tokens)
         info = {"source": args.trace}

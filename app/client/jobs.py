@@ -42,7 +42,7 @@ from tasks.contract import (
     outcome,
     stream_key,
 )
-from tasks.schema import parse_request
+from tasks.schema import broker_priority, parse_request
 
 __all__ = ["Client", "Job", "JobFailed", "StreamEvent", "submit"]
 
@@ -240,6 +240,7 @@ class Client:
                     argsrepr=args_repr(request),
                     kwargsrepr="{}",
                     producer=producer,
+                    priority=broker_priority(request),
                 )
 
     def job(self, job_id: str) -> Job:

@@ -26,6 +26,7 @@ from tasks.schema import ID_PATTERN
 from .errors import HTTPError
 from .hub import StreamHub
 from .limits import ClientLimits, ServingLimits
+from .priority import key_classes
 from .submitter import Submitter
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class Gateway:
         self.shutting_down = False
         self.serving = ServingLimits(self.workers)
         self.keys = [k.strip().encode() for k in settings.api_key.split(",") if k.strip()]
+        self.key_classes = key_classes(settings.key_priorities)
         self.limits = ClientLimits(settings.max_concurrent_per_client, settings.rate_limit_per_s, settings.rate_burst)
         self.hub: StreamHub | None = None
         self.registry = CollectorRegistry()

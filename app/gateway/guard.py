@@ -67,6 +67,7 @@ class Guard:
                 auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
                 try:
                     key = check_key(self.gw.keys, auth)
+                    scope.setdefault("state", {})["api_key"] = key  # its priority class (Gateway.prioritize)
                     if scope["method"] == "POST":  # generation routes: limited per client
                         who = f"key:{key}" if key else f"addr:{(scope.get('client') or ('?',))[0]}"
                         wait = self.gw.limits.acquire(who)

@@ -14,6 +14,7 @@ from tasks.contract import EntryType, outcome
 from . import openai_api, streams
 from .core import Gateway
 from .errors import HTTPError
+from .priority import prioritize
 from .streams import sse
 
 
@@ -38,6 +39,7 @@ def register(app: FastAPI, gw: Gateway) -> None:
     async def completions(request: Request, chat: bool) -> Response:
         body = await gw.body(request)
         jobs = openai_api.chat_jobs(body, gw.model) if chat else openai_api.completion_jobs(body, gw.model)
+        prioritize(request, gw.key_classes, jobs)
         for job in jobs:
             gw.serving.check(job, "max_tokens")
         if len(jobs) > 1:

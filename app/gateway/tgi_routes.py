@@ -12,6 +12,7 @@ from tasks.contract import EntryType, outcome
 
 from . import streams
 from .core import Gateway
+from .priority import prioritize
 from .streams import sse
 from .tgi_api import best_of_jobs, details, job_request, token, top_tokens
 
@@ -20,6 +21,7 @@ def register(app: FastAPI, gw: Gateway) -> None:
     async def generate(request: Request, body: dict, *, as_list: bool) -> Response:
         job, params = job_request(body)
         gw.serving.check(job, "parameters.max_new_tokens")
+        prioritize(request, gw.key_classes, [job])
         samples = best_of_jobs(job, params.get("best_of") or 1)
         ids = list(await asyncio.gather(*(gw.submit(j) for j in samples)))  # one group commit
         collected: list[tuple[dict, list[dict], list[list[dict]]]] = []
@@ -66,6 +68,7 @@ def register(app: FastAPI, gw: Gateway) -> None:
     async def generate_stream(request: Request, body: dict) -> Response:
         job, params = job_request(body, stream=True)
         gw.serving.check(job, "parameters.max_new_tokens")
+        prioritize(request, gw.key_classes, [job])
         job_id, last_id = await gw.start(request, job, True)
         want_details = bool(params.get("details"))
         prefix = job["prompt"] if params.get("return_full_text") else ""

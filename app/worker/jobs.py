@@ -111,6 +111,7 @@ class JobRunner:
                     job_id,
                     json.dumps(cancelled_result(job_id)),
                     run_id,
+                    spec.priority,
                 ],
             )
         )
@@ -122,7 +123,9 @@ class JobRunner:
             raise DeadLettered(message)
         if attempt == -2:  # finished before, redelivered before its ack: the same result again
             return json.loads(stored)
-        request = GenerationRequest(job_id, spec.prompt, spec.prompt_token_ids, spec.params, spec.messages)
+        request = GenerationRequest(
+            job_id, spec.prompt, spec.prompt_token_ids, spec.params, spec.messages, spec.priority
+        )
         extra = {"attempt": int(attempt), "worker": self.hostname}
         self.publisher.annotations[job_id] = extra
         self.inflight.add(job_id, delivery_tag)

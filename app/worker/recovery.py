@@ -1,6 +1,7 @@
 """Re-sending jobs whose message was lost: kombu's Redis transport can lose a message that a Redis crash
-catches between delivery and bookkeeping. Jobs still queued long after later ones started, and found
-neither in the queue nor among the unacked messages (twice, a sweep apart), are sent again."""
+catches between delivery and bookkeeping. Jobs still queued long after later ones of their class (or a
+lower one) started, and found neither in the queue's lists (one per priority) nor among the unacked
+messages (twice, a sweep apart), are sent again, with their priority."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from collections.abc import Callable
 import redis
 
 from app.settings import Settings
+from app.transport import priority_queues
+from engine.params import DEFAULT_PRIORITY
 from tasks.contract import QUEUED, RECOVER_LOCK, STARTED_HW, TASK_NAME, JobState, args_repr, job_key
+from tasks.schema import MAX_PRIORITY, broker_priority
 
 log = logging.getLogger(__name__)
 
@@ -27,34 +31,48 @@ class LostJobSweeper:
 
     def sweep(self) -> list[str]:
         """Re-send jobs whose message is gone; returns their ids. Cheap when nothing is lost: one
-        ZRANGEBYSCORE. A job counts as lost only if it is still 'queued' long after submission, a
-        later job has already started or the queue is empty (FIFO: it should have been taken), and
-        it is in neither the queue nor the unacked messages in two sweeps in a row."""
+        ZRANGEBYSCORE. A job counts as lost only if it is still 'queued' long after submission, it
+        should have been taken (a job of its class or a lower one submitted later has started, or no
+        list it waits behind holds a message: the broker takes the more urgent lists first and each
+        list in order), and it is in neither the queue's lists nor the unacked messages in two sweeps
+        in a row."""
         r, s = self.redis, self.settings
         if not r.set(RECOVER_LOCK, self.hostname, nx=True, ex=max(1, int(s.recover_interval_s))):
             return []
-        cutoff = time.time() - s.lost_job_grace_s
-        if r.llen(s.queue):  # FIFO: only jobs older than one that has started should have left the queue
-            cutoff = min(cutoff, float(r.get(STARTED_HW) or 0))
-        old = [x.decode() for x in r.zrangebyscore(QUEUED, "-inf", cutoff, start=0, num=500)]
+        grace = time.time() - s.lost_job_grace_s
+        lists = priority_queues(s.queue)  # lists[i] holds class MAX_PRIORITY - i
+        pipe = r.pipeline(transaction=False)
+        for name in lists:
+            pipe.llen(name)
+        pipe.hgetall(STARTED_HW)
+        *lengths, marks = pipe.execute()
+        started = {int(k): float(v) for k, v in marks.items()}  # class -> latest submission started
+        waiting = sum(lengths)
+        cutoff = min(grace, max(started.values(), default=0.0)) if waiting else grace
+        old = r.zrangebyscore(QUEUED, "-inf", cutoff, start=0, num=500, withscores=True)
         if not old:
             self._suspects.clear()
             return []
         pipe = r.pipeline(transaction=False)
-        for job_id in old:
-            pipe.hget(job_key(job_id), "state")
+        for job_id, _ in old:
+            pipe.hmget(job_key(job_id.decode()), "state", "request")
         queued = []
-        for job_id, state in zip(old, pipe.execute(), strict=True):
-            if state == JobState.QUEUED.encode():
-                queued.append(job_id)
-            else:
+        for (raw_id, queued_at), (state, request) in zip(old, pipe.execute(), strict=True):
+            job_id = raw_id.decode()
+            if state != JobState.QUEUED.encode():
                 r.zrem(QUEUED, job_id)  # started (or expired) without BEGIN seeing it here
+                continue
+            cls = _priority_of(request)
+            ahead = sum(lengths[: MAX_PRIORITY - cls + 1])  # messages of its class and more urgent ones
+            passed = max((t for c, t in started.items() if c <= cls), default=0.0)
+            if not ahead or queued_at < passed:
+                queued.append(job_id)
         if not queued:
             return []
-        if r.llen(s.queue) > s.lost_job_scan_limit:
+        if waiting > s.lost_job_scan_limit:
             log.info("%d jobs look lost, but the queue is too long to scan now", len(queued))
             return []
-        present = self._present(queued)
+        present = self._present(queued, lists)
         missing = {j for j in queued if j not in present}
         lost, self._suspects = sorted(missing & self._suspects), missing - self._suspects
         app = self.celery_app()
@@ -65,12 +83,18 @@ class LostJobSweeper:
             log.warning("job %s lost its message (a Redis crash?): sending it again", job_id)
             request = json.loads(raw)
             app.send_task(  # type: ignore[attr-defined]
-                TASK_NAME, args=[request], task_id=job_id, queue=s.queue, argsrepr=args_repr(request), kwargsrepr="{}"
+                TASK_NAME,
+                args=[request],
+                task_id=job_id,
+                queue=s.queue,
+                argsrepr=args_repr(request),
+                kwargsrepr="{}",
+                priority=broker_priority(request),
             )
         return lost
 
-    def _present(self, job_ids: list[str]) -> set[str]:
-        """Which of these jobs have a message in the queue or among the unacked ones."""
+    def _present(self, job_ids: list[str], lists: list[str]) -> set[str]:
+        """Which of these jobs have a message in the queue's lists or among the unacked ones."""
         needles = {j: f'"{j}"'.encode() for j in job_ids}
         found: set[str] = set()
 
@@ -81,6 +105,14 @@ class LostJobSweeper:
                         found.add(j)
 
         scan(self.redis.hvals("unacked"))
-        for start in range(0, self.redis.llen(self.settings.queue), 1000):
-            scan(self.redis.lrange(self.settings.queue, start, start + 999))
+        for name in lists:
+            for start in range(0, self.redis.llen(name), 1000):
+                scan(self.redis.lrange(name, start, start + 999))
         return found
+
+
+def _priority_of(request: bytes | None) -> int:
+    try:
+        return int(json.loads(request or b"{}").get("priority", DEFAULT_PRIORITY))
+    except (ValueError, TypeError, AttributeError):
+        return DEFAULT_PRIORITY

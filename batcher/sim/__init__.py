@@ -2,8 +2,8 @@
 
 from .cost import StepCost
 from .policies import POLICIES, make_batcher
-from .simulator import simulate, simulate_policies
-from .trace import TraceRequest, load_trace, sharegpt_like
+from .simulator import simulate, simulate_mixed, simulate_policies
+from .trace import TraceRequest, load_trace, mixed_priority, sharegpt_like
 
 __all__ = [
     "POLICIES",
@@ -11,7 +11,9 @@ __all__ = [
     "TraceRequest",
     "load_trace",
     "make_batcher",
+    "mixed_priority",
     "sharegpt_like",
     "simulate",
+    "simulate_mixed",
     "simulate_policies",
 ]

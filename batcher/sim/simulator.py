@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from ..blocks import chain_keys
 from ..config import BatcherConfig
 from ..request import Request
 from .cost import StepCost
 from .policies import POLICIES, make_batcher
-from .trace import TraceRequest
+from .trace import TraceRequest, mixed_priority
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -43,7 +43,8 @@ def simulate(
         out = min(tr.output_len, tr.max_new_tokens)
         true_len.append(out)
         max_new = out if policy == "oracle" else tr.max_new_tokens
-        reqs.append(Request(str(i), tr.input_len, max_new, tr.arrival_s, prefix=_prefix_keys(i, tr, config)))
+        prefix = _prefix_keys(i, tr, config)
+        reqs.append(Request(str(i), tr.input_len, max_new, tr.arrival_s, priority=tr.priority, prefix=prefix))
     order = sorted(range(n), key=lambda i: trace[i].arrival_s)
     first_token = [0.0] * n
     done_at = [0.0] * n
@@ -99,6 +100,38 @@ def simulate(
         "preemptions": stats.preemptions,
         "prompt_tokens_computed": stats.prompt_tokens - stats.cached_tokens,
         "cached_tokens": stats.cached_tokens,
+        "ttft_by_priority": {
+            str(p): {
+                "n": len(xs := [ttft[i] for i in range(n) if trace[i].priority == p]),
+                "p50_s": round(percentile(xs, 50), 4),
+                "p99_s": round(percentile(xs, 99), 4),
+            }
+            for p in sorted({tr.priority for tr in trace}, reverse=True)
+        },
+    }
+
+
+def simulate_mixed(config: BatcherConfig, cost: StepCost | None = None, *, n: int = 2000, seed: int = 0, **kw) -> dict:
+    """The preset mixed trace (trace.mixed_priority: 20% interactive, 80% background) three ways, with
+    the weighted batcher: with priorities; the interactive requests alone (no background load); and
+    every request in one class (the default one, which the headroom does not hold back). What
+    priorities buy interactive requests and what they cost the rest."""
+    trace = mixed_priority(n, seed=seed, **kw)
+    mixed = simulate(trace, "weighted", config, cost)
+    alone = simulate([r for r in trace if r.priority == 9], "weighted", config, cost)
+    flat = simulate([replace(r, priority=config.headroom_priority) for r in trace], "weighted", config, cost)
+    p99 = mixed["ttft_by_priority"]["9"]["p99_s"]
+    return {
+        "interactive_ttft_p99_s": p99,
+        "interactive_alone_ttft_p99_s": alone["ttft_p99_s"],
+        "interactive_ttft_p99_ratio": round(p99 / alone["ttft_p99_s"], 3) if alone["ttft_p99_s"] else None,
+        "background_ttft_p99_s": mixed["ttft_by_priority"]["0"]["p99_s"],
+        "without_priorities_ttft_p99_s": flat["ttft_p99_s"],
+        "tok_s": mixed["output_tokens_per_s"],
+        "tok_s_without_priorities": flat["output_tokens_per_s"],
+        "throughput_ratio": round(mixed["output_tokens_per_s"] / flat["output_tokens_per_s"], 4),
+        "overflow_steps": mixed["overflow_steps"],
+        "priority_headroom": config.priority_headroom,
     }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 
@@ -19,6 +19,7 @@ class TraceRequest:
     # (a system prompt); the rest of the input is the request's own
     prefix_group: str = ""
     prefix_len: int = 0
+    priority: int = 0  # its class, 0-9 (higher admitted first)
 
 
 def sharegpt_like(
@@ -47,9 +48,22 @@ def sharegpt_like(
     return out
 
 
+def mixed_priority(
+    n: int = 2000, *, share: float = 0.2, seed: int = 0, rate: float = 6.0, max_new_tokens: int = 1024
+) -> list[TraceRequest]:
+    """The preset mixed trace: ShareGPT-like lengths arriving at `rate` (the default keeps the default
+    budget and cost model busy but not overloaded: past capacity the backlog ages into the top class
+    and waits are FIFO again), a `share` of them interactive (priority 9), the rest background work
+    (priority 0)."""
+    rng = random.Random(seed + 1)
+    base = sharegpt_like(n, seed=seed, max_new_tokens=max_new_tokens, rate=rate)
+    return [replace(r, priority=9 if rng.random() < share else 0) for r in base]
+
+
 def load_trace(path: str | Path, max_new_tokens: int = 1024) -> list[TraceRequest]:
     """JSONL lines {"input_len": int, "output_len": int} with optional "max_new_tokens", "arrival_s",
-    and "prefix_group" + "prefix_len" (input tokens shared by the group's requests: prefix caching)."""
+    "prefix_group" + "prefix_len" (input tokens shared by the group's requests: prefix caching), and
+    "priority" (0-9)."""
     out: list[TraceRequest] = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
@@ -64,6 +78,7 @@ def load_trace(path: str | Path, max_new_tokens: int = 1024) -> list[TraceReques
                     float(d.get("arrival_s", 0.0)),
                     str(d.get("prefix_group", "")),
                     int(d.get("prefix_len", 0)),
+                    int(d.get("priority", 0)),
                 )
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{lineno}: bad trace line ({e!r}): {line.strip()[:200]}") from e

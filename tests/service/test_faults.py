@@ -16,6 +16,7 @@ from app.cli.processes import GatewayProcess, WorkerProcess
 from app.cli.redis_server import EmbeddedRedis
 from app.client import Client, JobFailed
 from app.settings import Settings
+from app.transport import priority_queues
 from tasks.contract import job_key, stream_key
 
 
@@ -68,7 +69,8 @@ def test_a_job_whose_message_was_lost_is_sent_again(service):
     recovery sweep finds it in neither the queue nor the unacked set (twice) and sends it again."""
     r = redis.Redis.from_url(service.url)
     job = service.client.submit("lost and found", max_new_tokens=5, request_id="lost-1")
-    assert r.rpop("weightq") is not None and r.llen("weightq") == 0  # the message is gone
+    queue = priority_queues("weightq")[4]  # the default class, 5
+    assert r.rpop(queue) is not None and r.llen(queue) == 0  # the message is gone
     service.worker(lost_job_grace_s=1, recover_interval_s=1).wait_ready()
     result = job.result(timeout=60)
     assert result["usage"]["completion_tokens"] == 5 and result["attempt"] == 1
@@ -196,7 +198,7 @@ def test_a_retried_begin_is_not_another_attempt(service):
 
     def run(run_id: str) -> int:
         keys = [job_key(job_id), stream_key(job_id), QUEUED, STARTED_HW, DEAD]
-        return begin(keys=keys, args=[1000, 60, 60, 3, time.time(), "w@test", job_id, "{}", run_id])[0]
+        return begin(keys=keys, args=[1000, 60, 60, 3, time.time(), "w@test", job_id, "{}", run_id, 5])[0]
 
     assert [run("run-a") for _ in range(5)] == [1] * 5
     assert run("run-b") == 2  # a redelivery is a new attempt

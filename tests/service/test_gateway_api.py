@@ -18,6 +18,11 @@ def _job_result(stack, response_id: str) -> dict:
     return json.loads(redis.Redis.from_url(stack.url).hget(job_key(job_id), "result"))
 
 
+def _request_of(stack, response_id: str) -> dict:
+    job_id = response_id.split("-", 1)[1]
+    return json.loads(redis.Redis.from_url(stack.url).hget(job_key(job_id), "request"))
+
+
 def test_openai_logprobs_streamed_and_not(stack, tiny_loaded):
     kw = {"model": "builtin:tiny", "prompt": "The scheduler admits", "max_tokens": 16, "temperature": 0}
     full = stack.oai.completions.create(**kw, logprobs=3)
@@ -138,3 +143,12 @@ def test_openai_usage_reports_prompt_tokens_found_in_the_prefix_cache(stack):
     assert again.choices[0].text == first.choices[0].text
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert 0 < cached < again.usage.prompt_tokens and cached % 16 == 0
+
+
+def test_x_priority_sets_the_job_class_and_is_checked(stack):
+    kw = {"model": "builtin:tiny", "prompt": "now", "max_tokens": 2}
+    done = stack.oai.completions.create(**kw, extra_headers={"X-Priority": "9"})
+    assert _request_of(stack, done.id)["priority"] == 9
+    assert "priority" not in _request_of(stack, stack.oai.completions.create(**kw).id)  # the default class
+    bad = httpx.post(stack.base + "/v1/completions", json=kw, headers={**stack.headers, "X-Priority": "12"}, timeout=30)
+    assert bad.status_code == 400 and "X-Priority" in bad.text
