@@ -68,11 +68,15 @@ GAUGES = (
     ("kv_blocks_used", "weightq_kv_blocks_used", "KV cache blocks in use"),
     ("kv_blocks_total", "weightq_kv_blocks_total", "KV cache blocks in the pool"),
     ("decode_tok_s", "weightq_decode_tokens_per_second", "Recent decode throughput"),
+    ("prefix_hit_rate", "weightq_prefix_cache_hit_rate", "Share of admitted prompt tokens found in the prefix cache"),
+    ("prefix_cached_blocks", "weightq_prefix_cached_blocks", "Cached prompt blocks no request holds (reclaimable)"),
+    ("prefix_shared_blocks", "weightq_prefix_shared_blocks", "Cached prompt blocks running requests hold"),
 )
 COUNTERS = (
     ("prefill_tokens", "weightq_prefill_tokens", "Prompt tokens prefilled"),
     ("decode_tokens", "weightq_decode_tokens", "Tokens generated"),
     ("steps", "weightq_engine_steps", "Engine steps run"),
+    ("prefix_cached_tokens", "weightq_prefix_cached_tokens", "Prompt tokens found in the prefix cache"),
 )
 
 
