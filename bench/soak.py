@@ -29,6 +29,7 @@ from app.cli.processes import GatewayProcess, WorkerProcess
 from app.cli.redis_server import EmbeddedRedis
 from app.client import Client
 from app.settings import Settings
+from app.transport import priority_queues
 from tasks.contract import SINGLETONS as CONTRACT_KEYS
 from tasks.contract import is_end, job_key, stream_key
 
@@ -125,7 +126,7 @@ class Soak:
         self.gateway.wait_ready()
         for i in range(50):  # warm-up, not counted
             self.client.submit(request_id=f"warm{i}", **self.job_spec())
-        while self.r.llen("weightq") or self.finished_warm() < 50:
+        while sum(self.r.llen(q) for q in priority_queues("weightq")) or self.finished_warm() < 50:
             time.sleep(0.2)
         t0 = time.monotonic()
         with httpx.Client(base_url=self.gateway.base, timeout=300) as http, ThreadPoolExecutor(48) as pool:

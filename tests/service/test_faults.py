@@ -133,7 +133,7 @@ def test_worker_restarts_under_load_sigterm_then_sigkill(service):
         deadline = time.monotonic() + timeout
         while (done := states().count("done")) < n:
             if time.monotonic() > deadline:
-                held = r.lrange("weightq", 0, -1) + r.hvals("unacked")
+                held = [m for q in priority_queues("weightq") for m in r.lrange(q, 0, -1)] + r.hvals("unacked")
                 left = {
                     j: (r.hgetall(job_key(j)) | {"request": "", "result": ""}, sum(f'"{j}"' in m for m in held))
                     for j, state in zip(asked, states(), strict=True)
