@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 
 
@@ -48,7 +49,8 @@ class BlockLedger:
         self._ref = [0] * num_blocks
         self._key_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
-        self._idle: dict[bytes, None] = {}  # keys of idle blocks, least recently released first
+        # keys of idle blocks, least recently released first (OrderedDict: popping the oldest stays O(1))
+        self._idle: OrderedDict[bytes, None] = OrderedDict()
         self.evictions = 0
 
     @property
@@ -90,8 +92,7 @@ class BlockLedger:
         if self._free:
             b = self._free.pop()
         elif self._idle:
-            key = next(iter(self._idle))
-            del self._idle[key]
+            key, _ = self._idle.popitem(last=False)
             b = self._block_of.pop(key)
             del self._key_of[b]
             self.evictions += 1

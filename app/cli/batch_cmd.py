@@ -27,6 +27,9 @@ def batch_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", required=True, help="JSONL file of results (appended; resumable)")
     p.add_argument("--max-in-flight", type=int, default=256, help="jobs queued at once (default 256)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--priority", type=int, default=None, help="priority class 0-9 of lines that name none (background: below 5)"
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_batch)
 
@@ -38,6 +41,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
         raise SystemExit(f"weightq batch: no such file: {src}")
     if args.max_in_flight < 1:
         raise SystemExit("weightq batch: --max-in-flight must be >= 1")
+    if args.priority is not None and not 0 <= args.priority <= 9:
+        raise SystemExit("weightq batch: --priority must be an integer in [0, 9]")
     client = Client(ensure_redis(settings), settings=settings)
     openai_lines = OpenAIBatchLines(settings.served_model_name or settings.model)
     summary, interrupted = run_batch(
@@ -47,6 +52,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
         max_in_flight=args.max_in_flight,
         progress=not args.no_progress,
         formats=[openai_lines],
+        priority=args.priority,
     )
     if args.json:
         print(json.dumps(summary))

@@ -144,7 +144,14 @@ class Interrupted(Exception):
 
 class BatchRun:
     def __init__(
-        self, client: Client, output: IO[str], *, max_in_flight: int, bar=None, formats: list[LineFormat] | None = None
+        self,
+        client: Client,
+        output: IO[str],
+        *,
+        max_in_flight: int,
+        bar=None,
+        formats: list[LineFormat] | None = None,
+        priority: int | None = None,
     ) -> None:
         self.client = client
         self.out = output
@@ -159,6 +166,7 @@ class BatchRun:
         self.progress = Progress()
         self.bar = bar
         self.run_tag = uuid.uuid4().hex[:10]  # job ids are fresh per run: a resumed line never meets its old job
+        self.priority = priority  # the class of lines that name none (None: the job default)
 
     def write(self, record: dict) -> None:
         self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -199,6 +207,8 @@ class BatchRun:
             job_id = f"batch-{self.run_tag}-{n}"
             try:
                 req = fmt.request(obj)
+                if self.priority is not None:
+                    req.setdefault("priority", self.priority)
                 while len(self.inflight) >= self.max_in_flight:
                     self.collect(wait=True)
                 self.client.submit(request_id=job_id, **req)
@@ -262,8 +272,9 @@ def run_batch(
     max_in_flight: int = 256,
     progress: bool = True,
     formats: list[LineFormat] | None = None,
+    priority: int | None = None,
 ) -> tuple[dict, bool]:
-    """Returns (summary, interrupted)."""
+    """Returns (summary, interrupted). `priority`: the class of lines that name none."""
     from tqdm import tqdm
 
     skip = done_ids(output_path)
@@ -271,7 +282,7 @@ def run_batch(
     bar = tqdm(total=total, unit="req", file=sys.stderr, disable=not progress, dynamic_ncols=True)
     interrupted = False
     with open(output_path, "a", encoding="utf-8") as out, open(input_path, encoding="utf-8", errors="replace") as f:
-        run = BatchRun(client, out, max_in_flight=max_in_flight, bar=bar, formats=formats)
+        run = BatchRun(client, out, max_in_flight=max_in_flight, bar=bar, formats=formats, priority=priority)
         try:
             with _sigint_sets(run.stop):
                 run.submit_lines(enumerate(f, start=1), skip)

@@ -35,7 +35,7 @@ from tasks.generate import RequestRefused
 from tasks.schema import JobSpec
 
 from .inflight import InFlight
-from .publisher import StreamPublisher
+from .publisher import SHUTDOWN, StreamPublisher
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,9 +47,6 @@ class GenerationFailed(RuntimeError):
 
 class DeadLettered(RuntimeError):
     """The job was started too many times without finishing; it is in the weightq:dead list."""
-
-
-SHUTDOWN = "worker shutdown"  # the error of requests the engine stops at a warm shutdown
 
 
 class JobRunner:

@@ -30,6 +30,9 @@ from tasks.contract import (
 log = logging.getLogger(__name__)
 
 
+SHUTDOWN = "worker shutdown"  # the error of requests the engine stops at a warm shutdown
+
+
 class StreamPublisher:
     """The engine's event sink: buffers a step's events and writes them in one pipeline.
 
@@ -50,7 +53,7 @@ class StreamPublisher:
         self._writer = threading.Thread(target=self._write_loop, name="weightq-streams", daemon=True)
         self._writer.start()
         self.annotations: dict[str, dict] = {}  # job id -> fields added to its result (attempt, worker)
-        self.requeueing = False  # set at shutdown: cancelled jobs go back to the queue, so no end entry
+        self.requeueing = False  # set at shutdown: jobs the engine stops go back to the queue, so no end entry
         self.metrics: EngineMetrics | None = None
         self.writer_key = writer_key(uuid.uuid4().hex)  # the last batch applied (see _apply)
         self._finals: dict[str, threading.Event] = {}  # job id -> set once its finish is written (see expect)
@@ -109,8 +112,8 @@ class StreamPublisher:
             key = stream_key(ev.request_id)
             if isinstance(ev, FinishEvent):
                 extra = self.annotations.pop(ev.request_id, {})
-                if self.requeueing and ev.reason == "cancelled":
-                    continue
+                if self.requeueing and ev.reason == "cancelled" and ev.error == SHUTDOWN:
+                    continue  # requeued (or ended by the REQUEUE script): jobs.py. A client's cancel ends here.
                 if ev.reason == "error":
                     message, fld = ev.error or "error", field_of(ev.error)
                     fields = {"type": EntryType.ERROR, "message": message, "field": fld}

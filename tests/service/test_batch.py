@@ -60,6 +60,22 @@ def test_results_errors_and_resume(service, tmp_path):
     assert [r["id"] for r in read_output(out)].count(torn) == 1 and len(read_output(out)) == 35
 
 
+def test_a_batch_runs_at_the_class_it_is_given(service, tmp_path):
+    import redis
+
+    from tasks.contract import job_key
+
+    service.worker().wait_ready()
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"id": "a", "prompt": "x", "max_new_tokens": 2}) + "\n"
+                   + json.dumps({"id": "b", "prompt": "y", "max_new_tokens": 2, "priority": 7}) + "\n")  # fmt: skip
+    summary, _ = run_batch(src, out, service.client, max_in_flight=8, progress=False, priority=1)
+    assert summary["completed"] == 2
+    r = redis.Redis.from_url(service.url)
+    classes = sorted(json.loads(r.hget(k, "request")).get("priority") for k in r.scan_iter(job_key("batch-*")))
+    assert classes == [1, 7]  # a line's own class wins
+
+
 def test_input_is_streamed_with_bounded_jobs_in_flight(service, tmp_path):
     service.worker().wait_ready()
     src = tmp_path / "in.jsonl"
