@@ -35,12 +35,13 @@ from .runner import Work
 from .sampling import sample
 from .sequence import Sequence
 from .setup import build, on_fresh_thread
+from .stats import EngineStats
 from .warmup import warm_up
 
 log = logging.getLogger(__name__)
 
 
-class Engine(StepOutputs):
+class Engine(StepOutputs, EngineStats):
     def __init__(
         self,
         config: EngineConfig | None = None,
@@ -68,16 +69,7 @@ class Engine(StepOutputs):
         self._generator = torch.Generator().manual_seed(cfg.seed)
         # An asynchronous device's step leaves its text and events here, done during the next forward.
         self._deferred: list[list[Deferred]] = []
-        self.counters = {
-            "steps": 0,
-            "prefill_tokens": 0,
-            "decode_tokens": 0,
-            "finished": 0,
-            "forward_s": 0.0,
-            "step_s": 0.0,
-            "overflow_steps": 0,  # steps whose batch held more KV tokens than the budget (must stay 0)
-        }
-        self._rate = {"t": time.monotonic(), "prefill": 0, "decode": 0, "prefill_tok_s": 0.0, "decode_tok_s": 0.0}
+        self._init_counters()
         # A compiled runner compiles its shapes now, before anyone is served (on a fresh thread: see above).
         self.warmup_s = on_fresh_thread(lambda: warm_up(self)) if self.runner.compiled else 0.0
 
@@ -159,32 +151,6 @@ class Engine(StepOutputs):
     def room_for(self) -> int:
         """How many more typical requests a worker may take now (Batcher.room_for)."""
         return self.batcher.room_for()
-
-    def stats(self) -> dict:
-        b = self.batcher
-        st = b.stats
-        return {
-            "running": len(b.running),
-            "waiting": len(b.waiting),
-            "batch_weight": b.batch_weight(),
-            "max_batch_weight": b.budget,
-            "max_input_length": self.max_input_length,
-            "max_total_tokens": b.config.max_total_tokens,
-            **self.runner.memory(),
-            "prefill_tok_s": round(self._rate["prefill_tok_s"], 1),
-            "decode_tok_s": round(self._rate["decode_tok_s"], 1),
-            **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in self.counters.items()},
-            "model": self.config.model,
-            "attention": self.backend,
-            "runner": self.lm.runner,
-            "compiled": self.runner.compiled,
-            "warmup_s": round(self.warmup_s, 1),
-            "mode": self.batcher.config.mode,
-            "prefix_cache": bool(b.ledger is not None and b.ledger.caching),
-            "prefix_hit_rate": round(st.cached_tokens / st.prompt_tokens, 4) if st.prompt_tokens else 0.0,
-            "prefix_cached_tokens": st.cached_tokens,
-            "prefix_shared_blocks": b.shared.held,
-        }
 
     # ----- engine thread --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -401,26 +367,3 @@ class Engine(StepOutputs):
             handle = self._handles.get(event.request_id)
         if handle is not None:
             handle._put(event)
-
-    def _count(self, prefill: int, decode: int, forward_s: float, step_s: float) -> None:
-        c = self.counters
-        c["steps"] += 1
-        c["prefill_tokens"] += prefill
-        c["decode_tokens"] += decode
-        c["forward_s"] += forward_s
-        c["step_s"] += step_s
-        r = self._rate
-        r["prefill"] += prefill
-        r["decode"] += decode
-        now = time.monotonic()
-        if now - r["t"] >= 1.0:  # rates over the last second or so
-            span = now - r["t"]
-            r["prefill_tok_s"], r["decode_tok_s"] = r["prefill"] / span, r["decode"] / span
-            r["t"], r["prefill"], r["decode"] = now, 0, 0
-
-    def _check_invariants(self) -> None:
-        assert self.batcher.batch_weight() <= self.batcher.budget, "batch weight over budget"
-        self.batcher.check_memory()
-        self.runner.check(list(self.seqs.values()), self.batcher.budget)
-        for seq in self.seqs.values():
-            assert len(seq.token_ids) == seq.sched.context_len, f"{seq.id}: tokens out of step with the batcher"
