@@ -49,7 +49,7 @@ class Settings(BaseSettings):
     priority_headroom: float = 0.1  # share of the KV budget background classes (priority < 5) may not take
     prefix_cache: bool = True  # paged runner: reuse the KV of repeated prompt prefixes (PREFIX_CACHE=0: off)
     sim_step_cost: str = ""  # RUNNER=simulated (a measuring tool): "fixed_s,per_token_s,per_kv_token_s"
-    torch_threads: int = 0  # the engine's intra-op threads; 0: torch's default (one per core)
+    torch_threads: int = 0  # the engine's intra-op threads; 0: one per core on the CPU, 1 on CUDA or simulated
     # The engine in a process of its own (engine/core_process.py): auto (on for CUDA and RUNNER=simulated), on, off
     engine_process: Literal["auto", "on", "off"] = "auto"
     concurrency: int = 128  # task threads per worker: the most requests one worker holds at once

@@ -28,9 +28,10 @@ class EngineConfig:
         settings (batcher/config.py). "auto" is predictive on the paged runner (measured to win under
         memory pressure: bench.peer --suite pressure) and worst_case on the padded one (it cannot
         preempt).
-    torch_threads: torch's intra-op threads for the engine (process-wide); 0 keeps torch's default
-        (one per core). With other busy processes on the same cores, fewer threads than cores avoid
-        parallel regions that wait for a descheduled thread (README: "Threads").
+    torch_threads: torch's intra-op threads for the engine (process-wide); 0: torch's default (one
+        per core) for a model on the CPU, 1 for one on CUDA or the simulated device
+        (setup.host_threads). With other busy processes on the same cores, fewer threads than cores
+        avoid parallel regions that wait for a descheduled thread (README: "Threads").
     """
 
     model: str = "builtin:tiny"
