@@ -170,17 +170,23 @@ class Engine(StepOutputs, EngineStats):
 
     def step(self) -> bool:
         """One scheduling decision and one forward pass; False when there was nothing to run.
-        A sink with a `flush()` method is flushed after every step (one write batch per step)."""
+        A sink with a `flush()` method is flushed after every step (one write batch per step), and
+        on an asynchronous device also once the previous step's events are out, mid-step."""
         try:
             return self._step()
         finally:
-            flush = getattr(self.sink, "flush", None)
-            if flush is not None:
-                flush()
+            self._occupancy(time.perf_counter())
+            self._flush_sink()
+
+    def _flush_sink(self) -> None:
+        flush = getattr(self.sink, "flush", None)
+        if flush is not None:
+            flush()
 
     def _step(self) -> bool:
         t_start = time.perf_counter()
         self._drain()
+        self._occupancy(t_start)
         now = time.monotonic()
         plan = self.batcher.schedule(now)
         runner = self.runner
@@ -209,7 +215,11 @@ class Engine(StepOutputs, EngineStats):
             logits = runner.forward(prefill, decode)
         except Exception as e:
             logits = self._isolate(prefill, decode, e)
-        self._finish_deferred()  # the last step's text and events, while an asynchronous device computes
+        if self._deferred:
+            # The last step's text and events, while an asynchronous device computes, and out at once:
+            # held to the end of this step they waited a whole step more (their emit stamp hid it).
+            self._finish_deferred()
+            self._flush_sink()
         runner.synchronize()
         if runner.prompt_logprobs and runner.prompt_rows:
             self._prompt_logprobs(runner.prompt_rows)

@@ -36,6 +36,20 @@ class EngineStats:
             "overflow_steps": 0,  # steps whose batch held more KV tokens than the budget (must stay 0)
         }
         self._rate = {"t": time.monotonic(), "prefill": 0, "decode": 0, "prefill_tok_s": 0.0, "decode_tok_s": 0.0}
+        self._occupied_s = 0.0  # wall time the engine held requests: device busy = forward_s / occupied_s
+        self._occupied_since: float | None = None
+
+    def _occupancy(self, now: float) -> None:
+        """Open the occupied span when requests arrive, close it when the last one leaves."""
+        if self.seqs and self._occupied_since is None:
+            self._occupied_since = now
+        elif not self.seqs and self._occupied_since is not None:
+            self._occupied_s += now - self._occupied_since
+            self._occupied_since = None
+
+    def occupied_s(self) -> float:
+        since = self._occupied_since
+        return self._occupied_s + (time.perf_counter() - since if since is not None else 0.0)
 
     def stats(self) -> dict:
         b = self.batcher
@@ -51,6 +65,7 @@ class EngineStats:
             "prefill_tok_s": round(self._rate["prefill_tok_s"], 1),
             "decode_tok_s": round(self._rate["decode_tok_s"], 1),
             **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in self.counters.items()},
+            "occupied_s": round(self.occupied_s(), 3),
             "model": self.config.model,
             "attention": self.backend,
             "runner": self.lm.runner,
