@@ -12,8 +12,10 @@ fixed seed), sent as `/v1/completions` with `prompt` as token ids and `stream: t
 - vllm: vLLM's OpenAI server on the same model directory and requests, when the peer venv exists
   (`make peer`); same client.
 With --runner simulated both sides run the simulated device (engine/simulated.py; no vLLM) and report
-device_busy_pct: modelled device time / wall time (the stack: from the first request sent to the last
-token received, device time from the worker's heartbeats; in-process: the generate() call).
+device_busy_pct: modelled device time / the engine's occupied time (first request in -> last one
+out; engine stats `occupied_s`, from the worker's heartbeats on the stack), and device_busy_wall_pct:
+the same device time over the client's wall time (the stack: first request sent -> last token
+received, so intake and delivery count as idle; in-process: the generate() call).
 Rounds alternate serve / inproc / vllm; figures are medians over rounds. Reported per system: output
 tokens/s (tokens of requests that finished / wall time from the first request sent to the last
 token received), TTFT p50/p99 (request sent -> first token), inter-token p50/p99 (gaps between a
@@ -205,12 +207,23 @@ def stages(redis_client, results: list[dict]) -> dict:
 
 def inproc(engine: Engine, work) -> dict:
     reqs = requests(work, f"r{time.monotonic_ns()}-")
-    device_before = engine.stats()["forward_s"]
+    before = engine.stats()
     t0 = time.perf_counter()
     outs = engine.generate(reqs)
     wall = time.perf_counter() - t0
-    busy = (engine.stats()["forward_s"] - device_before) / wall
-    return {"tok_s": sum(len(o.token_ids) for o in outs) / wall, "device_busy_pct": round(100 * busy, 2)}
+    after = engine.stats()
+    return {"tok_s": sum(len(o.token_ids) for o in outs) / wall, **busy(before, after, wall)}
+
+
+def busy(before: dict, after: dict, wall: float) -> dict:
+    """Device busy %: modelled (or forward) device time over the engine's occupied time (first
+    request in -> last one out, as the issue defines it), and over the client's wall time."""
+    device = after["forward_s"] - before["forward_s"]
+    occupied = after["occupied_s"] - before["occupied_s"]
+    return {
+        "device_busy_pct": round(100 * device / occupied, 2) if occupied > 0 else None,
+        "device_busy_wall_pct": round(100 * device / wall, 2),
+    }
 
 
 def served(worker: WorkerProcess, base: str, model: str, work) -> dict:
@@ -221,7 +234,7 @@ def served(worker: WorkerProcess, base: str, model: str, work) -> dict:
     goal = before["finished"] + len(work) - figures["errors"]
     after = worker.wait_stats(lambda s: s.get("finished", 0) >= goal, timeout=300)
     if figures.get("wall_s"):
-        figures["device_busy_pct"] = round(100 * (after["forward_s"] - before["forward_s"]) / figures["wall_s"], 2)
+        figures |= busy(before, after, figures["wall_s"])
     return figures
 
 
