@@ -278,27 +278,35 @@ return 1
 # state go together, so a worker that dies after writing the end never leaves a 'running' job that a
 # redelivery would run again.
 # KEYS: the writer's key, then streams and job hashes. ARGV: maxlen, stream ttl, job ttl, seq, then
-# per entry: stream index (into KEYS), job index (0: none), number of field pairs, number of job-state
-# pairs, the field pairs, the job-state pairs.
+# per entry its stream index (into KEYS) and either 0 and a plain token's four values (index, text,
+# token id, emit stamp: most entries, in half the arguments) or the number of field pairs, the job
+# index (0: none), the number of job-state pairs, the field pairs, the job-state pairs.
 WRITE_BATCH = """
 if tonumber(redis.call('GET', KEYS[1]) or '0') >= tonumber(ARGV[4]) then return 0 end
 redis.call('SET', KEYS[1], ARGV[4], 'EX', 86400)
+local maxlen = ARGV[1]
 local i = 5
 while i <= #ARGV do
   local key = KEYS[tonumber(ARGV[i])]
-  local job = tonumber(ARGV[i + 1])
-  local n, m = tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
-  local cmd = {'XADD', key, 'MAXLEN', '~', ARGV[1], '*'}
-  for j = 1, 2 * n do cmd[#cmd + 1] = ARGV[i + 3 + j] end
-  redis.call(unpack(cmd))
-  if job > 0 then
-    redis.call('EXPIRE', key, ARGV[2])
-    local h = {'HSET', KEYS[job]}
-    for j = 1, 2 * m do h[#h + 1] = ARGV[i + 3 + 2 * n + j] end
-    if m > 0 then redis.call(unpack(h)) end
-    redis.call('EXPIRE', KEYS[job], ARGV[3])
+  local n = tonumber(ARGV[i + 1])
+  if n == 0 then
+    redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', 'type', 'token', 'i', ARGV[i + 2], 'text', ARGV[i + 3],
+      'id', ARGV[i + 4], 'ts', ARGV[i + 5])
+    i = i + 6
+  else
+    local job, m = tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
+    local cmd = {'XADD', key, 'MAXLEN', '~', maxlen, '*'}
+    for j = 1, 2 * n do cmd[#cmd + 1] = ARGV[i + 3 + j] end
+    redis.call(unpack(cmd))
+    if job > 0 then
+      redis.call('EXPIRE', key, ARGV[2])
+      local h = {'HSET', KEYS[job]}
+      for j = 1, 2 * m do h[#h + 1] = ARGV[i + 3 + 2 * n + j] end
+      if m > 0 then redis.call(unpack(h)) end
+      redis.call('EXPIRE', KEYS[job], ARGV[3])
+    end
+    i = i + 4 + 2 * n + 2 * m
   end
-  i = i + 4 + 2 * n + 2 * m
 end
 return 1
 """

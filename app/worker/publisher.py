@@ -151,8 +151,11 @@ class StreamPublisher:
 
         args: list = [self.maxlen, self.ttl_s, self.job_ttl_s, seq]
         for key, fields, state in entries:
+            if state is None and len(fields) == 5 and fields["type"] is EntryType.TOKEN:  # the plain token form
+                args += [slot(key), 0, fields["i"], fields["text"], fields["id"], fields["ts"]]
+                continue
             job = slot(job_key(job_of_stream(key))) if state is not None else 0
-            args += [slot(key), job, len(fields), len(state or {})]
+            args += [slot(key), len(fields), job, len(state or {})]
             for k, v in fields.items():
                 args += [k, v]
             for k, v in (state or {}).items():

@@ -1,0 +1,44 @@
+"""The worker's stream writer against a real Redis: one WRITE_BATCH per step, applied at most once."""
+
+from __future__ import annotations
+
+import json
+
+import redis
+
+from app.worker.publisher import StreamPublisher
+from engine import FinishEvent, TokenEvent
+from engine.params import TokenLogprobs
+from tasks.contract import job_key, stream_key
+
+
+def _fields(r: redis.Redis, job: str) -> list[dict[str, str]]:
+    return [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrange(stream_key(job))]
+
+
+def test_plain_tokens_logprobs_and_the_end_land_as_the_contract_says_once(service):
+    r = redis.Redis.from_url(service.url)
+    pub = StreamPublisher(r, maxlen=1000, ttl_s=600)
+    try:
+        lp = TokenLogprobs("a", -0.25, (5, 8), ("a", "b"), (-0.25, -1.5))
+        finish = FinishEvent("j2", "length", "ab", (5, 7), 3, 2, 0.0, 0.1, 0.2)
+        batch = [
+            (TokenEvent("j1", 0, 5, " hé"), 100.5),
+            (TokenEvent("j2", 0, 5, "a", lp), 100.5),
+            (TokenEvent("j2", 1, 7, "b"), 100.75),
+            (finish, 100.75),
+        ]
+        entries = pub._entries(batch)
+        pub._apply(1, entries)
+        pub._apply(1, entries)  # a retry after a lost reply: nothing twice
+        assert _fields(r, "j1") == [{"type": "token", "i": "0", "text": " hé", "id": "5", "ts": "100.500000"}]
+        j2 = _fields(r, "j2")
+        assert [f["type"] for f in j2] == ["token", "token", "end"]
+        assert json.loads(j2[0]["lp"])[:2] == ["a", -0.25] and j2[0]["text"] == "a"
+        assert j2[1] == {"type": "token", "i": "1", "text": "b", "id": "7", "ts": "100.750000"}
+        assert j2[2]["reason"] == "length" and json.loads(j2[2]["result"])["token_ids"] == [5, 7]
+        assert r.hget(job_key("j2"), "state") == b"done" and r.ttl(stream_key("j2")) > 0
+        pub._apply(2, pub._entries([(TokenEvent("j1", 1, 6, ""), 101.0)]))  # an empty text is a value too
+        assert _fields(r, "j1")[1]["text"] == ""
+    finally:
+        pub.close()
