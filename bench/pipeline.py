@@ -5,7 +5,7 @@
 256 greedy requests on the built-in tiny model (prompts 16-128 random token ids, 16-96 new tokens,
 EOS ignored, fixed seed). In-process: Engine.generate() in this process. Pipeline: a real Redis and a
 `weightq worker` subprocess with the same engine settings; the client enqueues every job and one
-reader thread follows all 256 streams with XREAD. Token latency is from the engine emitting a token
+reader process follows all 256 streams with XREAD. Token latency is from the engine emitting a token
 (stamped in the stream entry) to the reader receiving it. The two runs are sequential, so they never
 compete for the CPU.
 """
@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import random
 import tempfile
-import threading
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import redis
@@ -68,10 +69,15 @@ def inproc(work, runner: dict) -> tuple[float, dict]:
     return sum(r.completion_tokens for r in results) / elapsed, cpu
 
 
-def follow(url: str, ids: list[str], latencies: list[float], done: threading.Event) -> None:
-    """One reader for every stream: XREAD over all unfinished keys until each has ended."""
+def follow(url: str, ids: list[str], out: Connection) -> None:
+    """One reader for every stream, in a process of its own (as a gateway is: sharing the
+    submitting client's GIL added its switch interval to every read): XREAD over all unfinished keys
+    until each has ended, then the latencies (read time - emit stamp) go back over `out`."""
     r = redis.Redis.from_url(url, socket_timeout=30)
+    r.ping()
+    latencies: list[float] = []
     last = {stream_key(i): "0-0" for i in ids}
+    out.send("ready")
     while last:
         resp = r.xread(last, count=1000, block=100)
         now = time.time()
@@ -87,7 +93,7 @@ def follow(url: str, ids: list[str], latencies: list[float], done: threading.Eve
                 elif is_end(fields):
                     del last[key]
                     break
-    done.set()
+    out.send((latencies, cpu_s()))
 
 
 def pipeline(work, runner: dict, task_events: bool = True) -> tuple[float, list[float], dict]:
@@ -108,20 +114,25 @@ def pipeline(work, runner: dict, task_events: bool = True) -> tuple[float, list[
         client = Client(url, settings=Settings(redis_url=url))
         client.submit(prompt_token_ids=work[0][0], max_new_tokens=4).result(timeout=60)  # warm
         ids = [f"p{i}" for i in range(len(work))]
-        latencies: list[float] = []
-        done = threading.Event()
-        reader = threading.Thread(target=follow, args=(url, ids, latencies, done), daemon=True)
+        results, sender = multiprocessing.get_context("spawn").Pipe(duplex=False)
+        reader = multiprocessing.get_context("spawn").Process(target=follow, args=(url, ids, sender), daemon=True)
         reader.start()
+        if not results.poll(60) or results.recv() != "ready":
+            raise RuntimeError("the stream reader did not start")
         pids = {"worker": worker.proc.pid, "redis": server.proc.pid, "bench": "self"}
         cpu0 = {k: cpu_s(p) for k, p in pids.items()}
         busy0, total0 = machine_busy()
         t0 = time.perf_counter()
         for job_id, (p, n) in zip(ids, work, strict=True):
             client.submit(prompt_token_ids=p, max_new_tokens=n, ignore_eos=True, request_id=job_id)
-        done.wait(600)
+        if not results.poll(600):
+            raise RuntimeError("the stream reader did not see every job end within 600 s")
+        latencies, reader_cpu = results.recv()
         elapsed = time.perf_counter() - t0
+        reader.join(10)
         busy1, total1 = machine_busy()
         cpu = {f"{k}_cpu_s": round(cpu_s(p) - cpu0[k], 2) for k, p in pids.items()}
+        cpu["reader_cpu_s"] = round(reader_cpu, 2)
         cpu["wall_s"] = round(elapsed, 2)
         cpu["machine_busy_pct"] = round(100 * (busy1 - busy0) / max(total1 - total0, 1e-9), 1)
         time.sleep(1.2)  # the next heartbeat carries the final engine counters
