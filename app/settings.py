@@ -49,8 +49,10 @@ class Settings(BaseSettings):
     priority_headroom: float = 0.1  # share of the KV budget background classes (priority < 5) may not take
     prefix_cache: bool = True  # paged runner: reuse the KV of repeated prompt prefixes (PREFIX_CACHE=0: off)
     sim_step_cost: str = ""  # RUNNER=simulated (a measuring tool): "fixed_s,per_token_s,per_kv_token_s"
-    torch_threads: int = 0  # the engine's intra-op threads; 0: one per core on the CPU, 1 on CUDA or simulated
-    # The engine in a process of its own (engine/core_process.py): auto (on for CUDA and RUNNER=simulated), on, off
+    # The engine's intra-op threads; 0: cores - 1 on the CPU (engine/setup.py: serving_threads), 1 on CUDA or simulated
+    torch_threads: int = 0
+    # The engine in a process of its own (engine/core_process.py): auto (on for CUDA, simulated, and a CPU
+    # engine whose threads leave a core free), on, off
     engine_process: Literal["auto", "on", "off"] = "auto"
     concurrency: int = 128  # task threads per worker: the most requests one worker holds at once
     task_events: bool = True  # Flower's per-task view; off saves ~a third of the consumer's work per job

@@ -16,10 +16,11 @@ device_busy_pct: modelled device time / the engine's occupied time (first reques
 out; engine stats `occupied_s`, from the worker's heartbeats on the stack), and device_busy_wall_pct:
 the same device time over the client's wall time (the stack: first request sent -> last token
 received, so intake and delivery count as idle; in-process: the generate() call).
-Rounds alternate serve / inproc / vllm; figures are medians over rounds. Reported per system: output
-tokens/s (tokens of requests that finished / wall time from the first request sent to the last
-token received), TTFT p50/p99 (request sent -> first token), inter-token p50/p99 (gaps between a
-request's streamed chunks), errors; and the ratios serve / inproc and serve / vllm.
+After one untimed round of the workload on each side, rounds alternate serve / inproc / vllm;
+figures are medians over rounds. Reported per system: output tokens/s (tokens of requests that
+finished / wall time from the first request sent to the last token received), TTFT p50/p99
+(request sent -> first token), inter-token p50/p99 (gaps between a request's streamed chunks),
+errors; and the ratios serve / inproc and serve / vllm.
 """
 
 from __future__ import annotations
@@ -329,8 +330,10 @@ def main() -> None:
             vllm = VllmServer(python, builtin_path("tiny"), torch.get_num_threads(), home / "vllm.log").wait_ready()
         for n in sizes:
             work = workload(n, args.seed)
-            warm = work[: min(16, n)]
-            drive(gateway.base, model, warm)  # warm-up: compilation, connections
+            # Warm-up: one untimed round of the whole workload on every side. A first round at a new size
+            # ran 35-45% slower than the next ones, in-process and through the stack alike.
+            warm = work
+            drive(gateway.base, model, warm)
             inproc(engine, warm)
             if vllm:
                 drive(vllm.base, vllm.model, warm)

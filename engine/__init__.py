@@ -6,6 +6,7 @@ from .handle import Handle
 from .loop import Engine
 from .models import LoadedModel, ModelNotFound, load_model
 from .params import Event, FinishEvent, GenerationRequest, InvalidRequest, SamplingParams, TokenEvent
+from .setup import serving_threads
 
 __all__ = [
     "AnyEngine",
@@ -24,4 +25,5 @@ __all__ = [
     "TokenEvent",
     "load_model",
     "own_process",
+    "serving_threads",
 ]

@@ -31,7 +31,8 @@ class EngineConfig:
     torch_threads: torch's intra-op threads for the engine (process-wide); 0: torch's default (one
         per core) for a model on the CPU, 1 for one on CUDA or the simulated device
         (setup.host_threads). With other busy processes on the same cores, fewer threads than cores
-        avoid parallel regions that wait for a descheduled thread (README: "Threads").
+        avoid parallel regions that wait for a descheduled thread: a worker's engine takes
+        setup.serving_threads' choice, one core left free (README: "Threads").
     """
 
     model: str = "builtin:tiny"

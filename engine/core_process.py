@@ -318,12 +318,18 @@ AnyEngine = Engine | EngineProcess  # what a worker hosts: the engine in its pro
 
 def own_process(mode: str, config: EngineConfig) -> bool:
     """ENGINE_PROCESS: "on", "off", or "auto": on where the device is not the CPU (CUDA, and the
-    simulated device that stands for one). On two CPU cores the extra process and the per-step
-    message cost more than the GIL they free (bench.serve: 1,174-1,286 vs 1,215-1,540 tok/s)."""
+    simulated device that stands for one), and on the CPU where the engine's threads
+    (`config.torch_threads`, set: a worker's come from setup.serving_threads) leave a core to the
+    rest of the process. There the engine's thread no longer waits for the GIL behind Celery's
+    threads and the stream writer (bench.serve, alternating stacks: 3,260 tok/s against 2,611 for the
+    same single thread in the worker's process). With every core in the forward's team the extra process and
+    its per-step message cost more than the GIL they free (1,174-1,286 vs 1,215-1,540 tok/s)."""
     if mode in ("on", "off"):
         return mode == "on"
     if config.runner == "simulated":
         return True
     from .models import resolve_device  # torch.cuda.is_available() creates no CUDA context here
 
-    return resolve_device(config.device).type != "cpu"
+    if resolve_device(config.device).type != "cpu":
+        return True
+    return 0 < config.torch_threads < len(os.sched_getaffinity(0))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 
 from celery import bootsteps
 from celery.exceptions import ImproperlyConfigured
@@ -17,7 +18,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from app.metrics import EngineMetrics, WorkerCollector
 from app.redis_conn import Durable, connect
 from app.settings import Settings
-from engine import AnyEngine, Engine, EngineProcess, own_process
+from engine import AnyEngine, Engine, EngineProcess, own_process, serving_threads
 
 from .host import WorkerHost
 from .publisher import StreamPublisher
@@ -75,6 +76,7 @@ class EngineStep(bootsteps.StartStopStep):
         )
         publisher.metrics = EngineMetrics()
         config = settings.engine_config()
+        config = replace(config, torch_threads=serving_threads(config))  # a core left to the serving path
         engine: AnyEngine
         if own_process(settings.engine_process, config):
             engine = EngineProcess(config, sink=publisher, on_death=_exit_worker)

@@ -11,10 +11,12 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 from engine import Engine, EngineConfig, EngineProcess, FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 from engine.core_process import own_process
 from engine.models import ModelNotFound
+from engine.setup import serving_threads
 
 CONFIG = EngineConfig(max_batch_weight=4096, compile="off")
 
@@ -145,7 +147,19 @@ def test_the_child_exits_when_its_parent_is_killed(tmp_path):
         parent.kill()
 
 
-def test_auto_runs_the_engine_in_its_own_process_off_the_cpu_only():
+def test_auto_runs_the_engine_in_its_own_process_where_it_leaves_the_parent_a_core():
+    cores = len(os.sched_getaffinity(0))
     assert own_process("on", CONFIG) and not own_process("off", EngineConfig(runner="simulated"))
     assert own_process("auto", EngineConfig(runner="simulated"))
-    assert not own_process("auto", EngineConfig(device="cpu"))
+    assert not own_process("auto", EngineConfig(device="cpu"))  # torch's default team: every core
+    assert not own_process("auto", EngineConfig(device="cpu", torch_threads=cores))
+    assert own_process("auto", EngineConfig(device="cpu", torch_threads=1)) == (cores > 1)
+
+
+def test_a_serving_engine_leaves_one_core_on_the_cpu():
+    """The worker's default (TORCH_THREADS=0): one fewer than torch's default on the CPU, one thread
+    on a device; a TORCH_THREADS that is set is kept as it is."""
+    default = min(torch.get_num_threads(), len(os.sched_getaffinity(0)))
+    assert serving_threads(EngineConfig(device="cpu")) == max(1, default - 1)
+    assert serving_threads(EngineConfig(device="cpu", torch_threads=3)) == 3
+    assert serving_threads(EngineConfig(runner="simulated")) == 1
