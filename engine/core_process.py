@@ -36,9 +36,11 @@ class EngineDied(RuntimeError):
 
 class EngineProcess:
     """An Engine running in a spawned child. `sink(event, emitted)` gets every event in order, with the
-    child's emission stamp. If the child dies unasked, `on_death(message)` is called on the reader
-    thread (a worker exits there, so its jobs are redelivered); if it returns, every request still
-    inside finishes with an error."""
+    child's emission stamp; a sink with a `tokens(tuples, emitted)` method gets each step's tokens
+    there instead, as the child sent them ((request id, index, token id, text, logprobs) tuples).
+    If the child dies unasked, `on_death(message)` is called on the reader thread (a worker exits
+    there, so its jobs are redelivered); if it returns, every request still inside finishes with an
+    error."""
 
     def __init__(
         self,
@@ -52,6 +54,7 @@ class EngineProcess:
         self.sink = sink
         self.on_death = on_death
         self._handles: dict[str, Handle] = {}
+        self._streamed: set[str] = set()  # ids whose handles take every token (submitted with stream=True)
         self._lock = threading.Lock()
         self._sent = 0  # requests sent to the child (room_for subtracts those its snapshot has not seen)
         self._stats: dict = {}
@@ -92,6 +95,8 @@ class EngineProcess:
                 handle._put(FinishEvent(request.id, "error", "", (), 0, 0, 0.0, 0.0, 0.0, "engine: stopped"))
                 return handle
             self._handles[request.id] = handle
+            if stream:
+                self._streamed.add(request.id)
             self._sent += 1
         self._send(("submit", request))
         return handle
@@ -136,6 +141,7 @@ class EngineProcess:
         with self._lock:
             left = list(self._handles.values())
             self._handles.clear()
+            self._streamed.clear()
         for handle in left:
             event = FinishEvent(handle.request_id, reason, "", (), 0, 0, 0.0, 0.0, 0.0, message)
             if self.sink is not None:
@@ -185,18 +191,25 @@ class EngineProcess:
 
     def _dispatch(self, emitted: float, tokens: list[tuple], finishes: list[FinishEvent]) -> None:
         sink, handles = self.sink, self._handles
-        for rid, index, token_id, text, logprobs in tokens:
-            event = TokenEvent(rid, index, token_id, text, logprobs)
-            if sink is not None:
-                self._to_sink(event, emitted)
-            handle = handles.get(rid)
-            if handle is not None and handle._events is not None:
-                handle._put(event)
+        batched = getattr(sink, "tokens", None)
+        if batched is not None and tokens:
+            try:
+                batched(tokens, emitted)
+            except Exception:
+                log.exception("event sink failed for a step's %d tokens", len(tokens))
+        if (sink is not None and batched is None) or self._streamed:
+            for rid, index, token_id, text, logprobs in tokens:
+                event = TokenEvent(rid, index, token_id, text, logprobs)
+                if batched is None and sink is not None:
+                    self._to_sink(event, emitted)
+                if rid in self._streamed and (handle := handles.get(rid)) is not None:
+                    handle._put(event)
         for event in finishes:
             if sink is not None:
                 self._to_sink(event, emitted)
             with self._lock:
                 handle = handles.pop(event.request_id, None)
+                self._streamed.discard(event.request_id)
             if handle is not None:
                 handle._put(event)
         flush = getattr(sink, "flush", None)
@@ -215,6 +228,7 @@ class EngineProcess:
             expected = self._stopping
             inside = list(self._handles.values())
             self._handles.clear()
+            self._streamed.clear()
             self._stopping = True
         if expected:
             return

@@ -14,7 +14,7 @@ import redis
 
 from app.metrics import EngineMetrics
 from app.redis_conn import Durable, NotReplicated, is_transient
-from engine import Event, FinishEvent
+from engine import Event, FinishEvent, TokenEvent
 from tasks.contract import (
     WRITE_BATCH,
     EntryType,
@@ -48,8 +48,8 @@ class StreamPublisher:
         self.maxlen = maxlen
         self.ttl_s = ttl_s
         self.job_ttl_s = job_ttl_s
-        self._pending: list[tuple[Event, float]] = []
-        self._batches: queue.SimpleQueue[list[tuple[Event, float]] | None] = queue.SimpleQueue()
+        self._pending: list[tuple[Event | list[tuple], float]] = []  # events, or a step's token tuples
+        self._batches: queue.SimpleQueue[list[tuple[Event | list[tuple], float]] | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="weightq-streams", daemon=True)
         self._writer.start()
         self.annotations: dict[str, dict] = {}  # job id -> fields added to its result (attempt, worker)
@@ -65,6 +65,12 @@ class StreamPublisher:
         self._pending.append((event, emitted or time.time()))  # readers measure latency from here
         if self.metrics is not None and isinstance(event, FinishEvent):
             self.metrics.observe(event)
+
+    def tokens(self, tokens: list[tuple], emitted: float) -> None:
+        """A step's tokens from an engine process, as its (request id, index, token id, text,
+        logprobs) tuples, kept as they came until the writer thread formats them: no event object
+        and no fields dict per token on the thread that reads the engine's messages."""
+        self._pending.append((tokens, emitted))
 
     def expect(self, job_id: str) -> threading.Event:
         """An event set once the job's last entry and final state are in Redis (or its finish was
@@ -105,39 +111,36 @@ class StreamPublisher:
                 if isinstance(ev, FinishEvent) and (written := self._finals.pop(ev.request_id, None)):
                     written.set()
 
-    def _entries(self, batch: list[tuple[Event, float]]) -> list[tuple[str, dict, dict | None]]:
-        """(stream key, fields, the job's final state or None) for each event worth writing."""
-        out: list[tuple[str, dict, dict | None]] = []
+    def _entries(self, batch: list[tuple[Event | list[tuple], float]]) -> list[tuple]:
+        """What to write for each event worth writing: (stream key, (index, text, token id, stamp))
+        for a plain token, else (stream key, fields, the job's final state or None)."""
+        out: list[tuple] = []
         for ev, emitted in batch:
+            if isinstance(ev, list):  # a step's token tuples (tokens()), all with the step's stamp
+                ts = f"{emitted:.6f}"
+                for rid, index, token_id, text, logprobs in ev:
+                    out.append(_token_entry(rid, index, token_id, text, logprobs, ts))
+                continue
+            if isinstance(ev, TokenEvent):
+                out.append(_token_entry(ev.request_id, ev.index, ev.token_id, ev.text, ev.logprobs, f"{emitted:.6f}"))
+                continue
             key = stream_key(ev.request_id)
-            if isinstance(ev, FinishEvent):
-                extra = self.annotations.pop(ev.request_id, {})
-                if self.requeueing and ev.reason == "cancelled" and ev.error == SHUTDOWN:
-                    continue  # requeued (or ended by the REQUEUE script): jobs.py. A client's cancel ends here.
-                if ev.reason == "error":
-                    message, fld = ev.error or "error", field_of(ev.error)
-                    fields = {"type": EntryType.ERROR, "message": message, "field": fld}
-                    state = {"state": JobState.DONE, "error": message, "field": fld}
-                else:
-                    result = json.dumps(result_dict(ev) | extra)
-                    fields = {"type": EntryType.END, "reason": ev.reason, "result": result}
-                    final = JobState.CANCELLED if ev.reason == "cancelled" else JobState.DONE
-                    state = {"state": final, "result": result}
-                out.append((key, fields, state))
+            extra = self.annotations.pop(ev.request_id, {})
+            if self.requeueing and ev.reason == "cancelled" and ev.error == SHUTDOWN:
+                continue  # requeued (or ended by the REQUEUE script): jobs.py. A client's cancel ends here.
+            if ev.reason == "error":
+                message, fld = ev.error or "error", field_of(ev.error)
+                fields = {"type": EntryType.ERROR, "message": message, "field": fld}
+                state = {"state": JobState.DONE, "error": message, "field": fld}
             else:
-                fields = {
-                    "type": EntryType.TOKEN,
-                    "i": ev.index,
-                    "text": ev.text,
-                    "id": ev.token_id,
-                    "ts": f"{emitted:.6f}",
-                }
-                if ev.logprobs is not None:  # [token, logprob, top ids, top tokens, top logprobs]
-                    fields["lp"] = json.dumps(ev.logprobs.as_json(), separators=(",", ":"))
-                out.append((key, fields, None))
+                result = json.dumps(result_dict(ev) | extra)
+                fields = {"type": EntryType.END, "reason": ev.reason, "result": result}
+                final = JobState.CANCELLED if ev.reason == "cancelled" else JobState.DONE
+                state = {"state": final, "result": result}
+            out.append((key, fields, state))
         return out
 
-    def _apply(self, seq: int, entries: list[tuple[str, dict, dict | None]]) -> None:
+    def _apply(self, seq: int, entries: list[tuple]) -> None:
         """One script call per batch, applied at most once: a retry after a lost reply (Redis
         crashed after applying it) is a no-op instead of a second copy of every entry."""
         keys = [self.writer_key]
@@ -150,10 +153,14 @@ class StreamPublisher:
             return index[key]
 
         args: list = [self.maxlen, self.ttl_s, self.job_ttl_s, seq]
-        for key, fields, state in entries:
-            if state is None and len(fields) == 5 and fields["type"] is EntryType.TOKEN:  # the plain token form
-                args += [slot(key), 0, fields["i"], fields["text"], fields["id"], fields["ts"]]
+        for entry in entries:
+            if len(entry) == 2:  # a plain token: WRITE_BATCH's short form, its values only
+                key, values = entry
+                args.append(slot(key))
+                args.append(0)
+                args += values
                 continue
+            key, fields, state = entry
             job = slot(job_key(job_of_stream(key))) if state is not None else 0
             args += [slot(key), len(fields), job, len(state or {})]
             for k, v in fields.items():
@@ -161,3 +168,11 @@ class StreamPublisher:
             for k, v in (state or {}).items():
                 args += [k, v]
         self.durable.run(self._batch_script, keys, args)
+
+
+def _token_entry(rid: str, index: int, token_id: int, text: str, logprobs, ts: str) -> tuple:
+    if logprobs is None:
+        return stream_key(rid), (index, text, token_id, ts)
+    fields = {"type": EntryType.TOKEN, "i": index, "text": text, "id": token_id, "ts": ts}
+    fields["lp"] = json.dumps(logprobs.as_json(), separators=(",", ":"))  # [token, logprob, top ids, tokens, lps]
+    return stream_key(rid), fields, None

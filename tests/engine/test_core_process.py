@@ -66,6 +66,36 @@ def test_outputs_and_event_order_match_the_engine_in_process(core):
     assert core.idle()
 
 
+class BatchSink(Sink):
+    """A sink that takes each step's tokens at once (as the worker's stream publisher does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[tuple[list[tuple], float]] = []
+
+    def tokens(self, tuples: list[tuple], emitted: float) -> None:
+        self.steps.append((tuples, emitted))
+
+
+def test_a_sink_with_tokens_gets_each_steps_tuples_and_streamed_handles_still_every_token():
+    sink = BatchSink()
+    proc = EngineProcess(CONFIG, sink=sink)
+    proc.start()
+    try:
+        handles = [proc.submit(req(f"bt{i}", f"in batches {i}", 8 + i), stream=(i == 0)) for i in range(3)]
+        finals = [h.result(timeout=120) for h in handles]
+    finally:
+        proc.stop()
+    assert all(isinstance(e, FinishEvent) for e, _ in sink.events)  # tokens never come one by one
+    for h, final in zip(handles, finals, strict=True):
+        mine = [t for step, _ in sink.steps for t in step if t[0] == h.request_id]
+        assert [t[1] for t in mine] == list(range(final.completion_tokens))
+        assert [t[2] for t in mine] == list(final.token_ids) and "".join(t[3] for t in mine) == final.text
+    assert all(abs(emitted - time.time()) < 300 for _, emitted in sink.steps)
+    streamed = list(handles[0].events(timeout=10))
+    assert [e.index for e in streamed[:-1]] == list(range(8)) and streamed[-1] == finals[0]
+
+
 def test_refusals_duplicates_and_cancel(core):
     bad = core.submit(req("bad", "x", 0)).result(timeout=30)
     assert bad.reason == "error" and bad.error.startswith("max_new_tokens")

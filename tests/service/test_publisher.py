@@ -40,5 +40,11 @@ def test_plain_tokens_logprobs_and_the_end_land_as_the_contract_says_once(servic
         assert r.hget(job_key("j2"), "state") == b"done" and r.ttl(stream_key("j2")) > 0
         pub._apply(2, pub._entries([(TokenEvent("j1", 1, 6, ""), 101.0)]))  # an empty text is a value too
         assert _fields(r, "j1")[1]["text"] == ""
+        # A step's tuples from an engine process (tokens()) land as the same entries as its events.
+        pub._apply(3, pub._entries([([("j3", 0, 5, " hé", None), ("j3", 1, 6, "a", lp)], 102.25)]))
+        j3 = _fields(r, "j3")
+        assert j3[0] == {"type": "token", "i": "0", "text": " hé", "id": "5", "ts": "102.250000"}
+        assert json.loads(j3[1].pop("lp"))[:2] == ["a", -0.25]
+        assert j3[1] == {"type": "token", "i": "1", "text": "a", "id": "6", "ts": "102.250000"}
     finally:
         pub.close()
