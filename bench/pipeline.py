@@ -27,10 +27,11 @@ import redis
 from app.cli.processes import WorkerProcess
 from app.cli.redis_server import EmbeddedRedis
 from app.client import Client
+from app.redis_conn import raw_xread, xread_streams
 from app.settings import Settings
 from batcher.sim.simulator import percentile
 from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from tasks.contract import EntryType, decode_fields, is_end, stream_key
+from tasks.contract import END_TYPES, EntryType, stream_key
 
 BUDGET = 65536
 TICK = os.sysconf("SC_CLK_TCK")
@@ -72,25 +73,26 @@ def inproc(work, runner: dict) -> tuple[float, dict]:
 def follow(url: str, ids: list[str], out: Connection) -> None:
     """One reader for every stream, in a process of its own (as a gateway is: sharing the
     submitting client's GIL added its switch interval to every read): XREAD over all unfinished keys
-    until each has ended, then the latencies (read time - emit stamp) go back over `out`."""
+    until each has ended, then the latencies (read time - emit stamp) go back over `out`. Replies are
+    read as hiredis parses them (app/redis_conn.py: raw_xread), as the gateway's hub reads them."""
     r = redis.Redis.from_url(url, socket_timeout=30)
+    raw_xread(r)
     r.ping()
     latencies: list[float] = []
     last = {stream_key(i): "0-0" for i in ids}
+    token, ends = EntryType.TOKEN.encode(), {t.encode() for t in END_TYPES}
     out.send("ready")
     while last:
         resp = r.xread(last, count=1000, block=100)
         now = time.time()
-        if resp and len(resp) < len(last) // 4:
-            time.sleep(0.001)  # let a step's writes land in one read instead of spinning per stream
-        for key, entries in resp or []:
+        for key, entries in xread_streams(resp):
             key = key.decode()
-            for entry_id, fields in entries:
+            for entry_id, raw in entries:
                 last[key] = entry_id
-                fields = decode_fields(fields)
-                if fields["type"] == EntryType.TOKEN:
-                    latencies.append(now - float(fields["ts"]))
-                elif is_end(fields):
+                fields = dict(zip(raw[::2], raw[1::2], strict=True))
+                if fields[b"type"] == token:
+                    latencies.append(now - float(fields[b"ts"]))
+                elif fields[b"type"] in ends:
                     del last[key]
                     break
     out.send((latencies, cpu_s()))

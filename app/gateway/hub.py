@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 import redis.asyncio as aredis
 
-from app.redis_conn import connect_async
+from app.redis_conn import connect_async, raw_xread, xread_streams
 from app.settings import Settings
 from tasks.contract import is_end, stream_key
 
@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 class StreamHub:
     def __init__(self, url: str, settings: Settings, *, block_ms: int = 20, count: int = 256) -> None:
         self.redis: aredis.Redis = connect_async(url, settings, socket_timeout=30, health_check_interval=10)
+        raw_xread(self.redis)
         self.block_ms = block_ms
         self.count = count
         self._followers: dict[str, tuple[str, asyncio.Queue]] = {}  # stream key -> (last id, queue)
@@ -93,7 +94,7 @@ class StreamHub:
                 log.warning("stream hub: %s; retrying", e)
                 await asyncio.sleep(0.5)
                 continue
-            for raw_key, entries in resp or []:
+            for raw_key, entries in xread_streams(resp):
                 key = raw_key.decode()
                 follower = self._followers.get(key)
                 if follower is None:
@@ -102,7 +103,7 @@ class StreamHub:
                 last = follower[0]
                 for raw_id, raw in entries:
                     last = raw_id.decode()
-                    fields = {k.decode(): v.decode(errors="replace") for k, v in raw.items()}
+                    fields = {k.decode(): v.decode(errors="replace") for k, v in zip(raw[::2], raw[1::2], strict=True)}
                     queue.put_nowait((last, fields))
                     if is_end(fields):
                         break
