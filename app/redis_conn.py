@@ -184,7 +184,7 @@ def _as_is(response: Any, **options: Any) -> Any:
 
 def xread_streams(response: Any) -> list:
     """A raw XREAD reply as [(stream key, [(entry id, [field, value, ...]), ...]), ...]: a map under
-    RESP3, a list of pairs under RESP2, None when nothing came."""
+    RESP3, a list of pairs under RESP2; [] when nothing came (Redis replies nil)."""
     if not response:
         return []
     return list(response.items()) if isinstance(response, dict) else response
