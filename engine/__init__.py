@@ -3,6 +3,7 @@
 from .config import EngineConfig
 from .core_process import AnyEngine, EngineDied, EngineProcess, own_process
 from .handle import Handle
+from .heap import freeze_startup_heap
 from .loop import Engine
 from .models import LoadedModel, ModelNotFound, load_model
 from .params import Event, FinishEvent, GenerationRequest, InvalidRequest, SamplingParams, TokenEvent
@@ -23,6 +24,7 @@ __all__ = [
     "ModelNotFound",
     "SamplingParams",
     "TokenEvent",
+    "freeze_startup_heap",
     "load_model",
     "own_process",
     "serving_threads",

@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 
 from .config import EngineConfig
 from .handle import Handle
+from .heap import freeze_startup_heap
 from .loop import Engine
 from .params import Event, FinishEvent, FinishReason, GenerationRequest, TokenEvent
 
@@ -308,6 +309,7 @@ def _child_main(config: EngineConfig, commands: Connection, out: Connection) -> 
         ("ready", {"kv_derivation": engine.kv_derivation, "max_input_length": engine.max_input_length,
                    "stats": sink.snapshot()})
     )  # fmt: skip
+    freeze_startup_heap()  # a full collection here stops the engine's step
     engine.start()
     while True:
         try:

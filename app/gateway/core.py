@@ -20,6 +20,7 @@ from app.client import Client
 from app.metrics import WorkerCollector, live_workers
 from app.redis_conn import redacted
 from app.settings import Settings
+from engine.heap import freeze_startup_heap
 from tasks.contract import DEAD, HEARTBEATS, Replay, job_key, outcome
 from tasks.schema import ID_PATTERN
 
@@ -68,6 +69,7 @@ class Gateway:
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
         self.hub = StreamHub(self.url, self.settings)
         await self.hub.start()
+        freeze_startup_heap()  # full collections then scan only what requests create
         log.info("weightq gateway: Redis %s, model %s", redacted(self.url), self.model)
         try:
             yield

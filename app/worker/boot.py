@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from app.metrics import EngineMetrics, WorkerCollector
 from app.redis_conn import Durable, connect
 from app.settings import Settings
-from engine import AnyEngine, Engine, EngineProcess, own_process, serving_threads
+from engine import AnyEngine, Engine, EngineProcess, freeze_startup_heap, own_process, serving_threads
 
 from .host import WorkerHost
 from .publisher import StreamPublisher
@@ -87,6 +87,7 @@ class EngineStep(bootsteps.StartStopStep):
         host.app = worker.app
         engine.start()
         host.start()
+        freeze_startup_heap()
         if settings.metrics_port:
             registry = CollectorRegistry()
             registry.register(WorkerCollector(lambda: {worker.hostname: host.stats()}))
