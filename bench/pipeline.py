@@ -117,8 +117,9 @@ def pipeline(work, runner: dict, task_events: bool = True) -> tuple[float, list[
         client = Client(url, settings=Settings(redis_url=url))
         client.submit(prompt_token_ids=work[0][0], max_new_tokens=4).result(timeout=60)  # warm
         ids = [f"p{i}" for i in range(len(work))]
-        results, sender = multiprocessing.get_context("spawn").Pipe(duplex=False)
-        reader = multiprocessing.get_context("spawn").Process(target=follow, args=(url, ids, sender), daemon=True)
+        spawn = multiprocessing.get_context("spawn")
+        results, sender = spawn.Pipe(duplex=False)
+        reader = spawn.Process(target=follow, args=(url, ids, sender), daemon=True)
         reader.start()
         if not results.poll(60) or results.recv() != "ready":
             raise RuntimeError("the stream reader did not start")

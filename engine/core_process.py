@@ -198,10 +198,11 @@ class EngineProcess:
                 batched(tokens, emitted)
             except Exception:
                 log.exception("event sink failed for a step's %d tokens", len(tokens))
-        if (sink is not None and batched is None) or self._streamed:
+        one_by_one = sink is not None and batched is None
+        if one_by_one or self._streamed:
             for rid, index, token_id, text, logprobs in tokens:
                 event = TokenEvent(rid, index, token_id, text, logprobs)
-                if batched is None and sink is not None:
+                if one_by_one:
                     self._to_sink(event, emitted)
                 if rid in self._streamed and (handle := handles.get(rid)) is not None:
                     handle._put(event)

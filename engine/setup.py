@@ -75,7 +75,7 @@ def serving_threads(cfg: EngineConfig) -> int:
         return cfg.torch_threads
     device = resolve_device(cfg.device)
     if cfg.runner == "simulated" or device.type != "cpu":
-        return host_threads(cfg, device) or 1
+        return host_threads(cfg, device)  # 1: a device's host thread
     return max(1, min(torch.get_num_threads(), len(os.sched_getaffinity(0))) - 1)
 
 
