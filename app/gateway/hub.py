@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import redis.asyncio as aredis
 
@@ -22,24 +23,35 @@ from tasks.contract import is_end, stream_key
 log = logging.getLogger(__name__)
 
 
+@dataclass(slots=True, eq=False)
+class _Follower:
+    last_id: str
+    queue: asyncio.Queue
+    idle_s: float | None
+    seen: float  # loop time of its registration or last entry
+
+
 class StreamHub:
     def __init__(self, url: str, settings: Settings, *, block_ms: int = 20, count: int = 256) -> None:
         self.redis: aredis.Redis = connect_async(url, settings, socket_timeout=30, health_check_interval=10)
         raw_xread(self.redis)
         self.block_ms = block_ms
         self.count = count
-        self._followers: dict[str, tuple[str, asyncio.Queue]] = {}  # stream key -> (last id, queue)
+        self._followers: dict[str, _Follower] = {}  # by stream key
         self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._read_loop(), name="weightq-hub")
+        self._tasks = [
+            asyncio.create_task(self._read_loop(), name="weightq-hub"),
+            asyncio.create_task(self._watch_idle(), name="weightq-hub-idle"),
+        ]
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
         await self.redis.aclose()
 
     @property
@@ -52,21 +64,17 @@ class StreamHub:
         """(entry id, fields) of the job's stream after `last_id`, through its end or error entry, as
         lists of all that have arrived by the time the follower looks: a follower that falls behind
         catches up in one write per batch, not one per token. Raises TimeoutError when nothing arrives
-        for `idle_timeout_s`."""
+        for `idle_timeout_s` (give or take a quarter of it: one watchdog checks every follower, where
+        a timer per wait cost a tenth of the gateway's time per token)."""
         key = stream_key(job_id)
         if key in self._followers:
             raise RuntimeError(f"job {job_id} already has a follower on this hub")
         queue: asyncio.Queue = asyncio.Queue()
-        self._followers[key] = (last_id, queue)
+        self._followers[key] = _Follower(last_id, queue, idle_timeout_s, asyncio.get_running_loop().time())
         self._wake.set()
         try:
             while True:
-                if queue.empty():
-                    async with asyncio.timeout(idle_timeout_s):
-                        first = await queue.get()
-                else:
-                    first = queue.get_nowait()
-                batch = [first]
+                batch = [await queue.get()]
                 while not queue.empty():
                     batch.append(queue.get_nowait())
                 for n, item in enumerate(batch):
@@ -81,30 +89,44 @@ class StreamHub:
         finally:
             self._followers.pop(key, None)
 
+    async def _watch_idle(self) -> None:
+        """Ends with TimeoutError every follower that heard nothing for its idle timeout."""
+        loop = asyncio.get_running_loop()
+        while True:
+            timeouts = [f.idle_s for f in self._followers.values() if f.idle_s is not None]
+            await asyncio.sleep(max(0.01, min(0.5, *(t / 4 for t in timeouts))) if timeouts else 0.5)
+            now = loop.time()
+            for f in list(self._followers.values()):
+                if f.idle_s is not None and now - f.seen > f.idle_s:
+                    f.seen = float("inf")  # told once
+                    f.queue.put_nowait(TimeoutError())
+
     async def _read_loop(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             if not self._followers:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            streams = {key: last for key, (last, _) in self._followers.items()}
+            streams = {key: f.last_id for key, f in self._followers.items()}
             try:
                 resp = await self.redis.xread(streams, count=self.count, block=self.block_ms)
             except aredis.RedisError as e:  # Redis away: tell nobody yet, retry (followers time out on their own)
                 log.warning("stream hub: %s; retrying", e)
                 await asyncio.sleep(0.5)
                 continue
+            now = loop.time()
             for raw_key, entries in xread_streams(resp):
-                key = raw_key.decode()
-                follower = self._followers.get(key)
+                follower = self._followers.get(raw_key.decode())
                 if follower is None:
                     continue
-                queue = follower[1]
-                last = follower[0]
+                put = follower.queue.put_nowait
                 for raw_id, raw in entries:
-                    last = raw_id.decode()
-                    fields = {k.decode(): v.decode(errors="replace") for k, v in zip(raw[::2], raw[1::2], strict=True)}
-                    queue.put_nowait((last, fields))
+                    follower.last_id = raw_id.decode()
+                    pairs = iter(raw)
+                    fields = {k.decode(): v.decode(errors="replace") for k, v in zip(pairs, pairs, strict=True)}
+                    put((follower.last_id, fields))
                     if is_end(fields):
                         break
-                self._followers[key] = (last, queue)
+                if follower.seen != float("inf"):
+                    follower.seen = now

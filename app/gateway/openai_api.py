@@ -6,7 +6,9 @@ OpenAI defines that weightq cannot honour is refused by name rather than silentl
 
 from __future__ import annotations
 
+import json
 import time
+from json.encoder import encode_basestring_ascii
 
 from tasks.schema import RequestError, field_name
 
@@ -21,6 +23,7 @@ COMPLETION_FIELDS = COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix",
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "presence_penalty",
                         "frequency_penalty", "logit_bias", "response_format", "tools", "tool_choice"}  # fmt: skip
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
+_MARK = "\x00weightq-text\x00"  # stands for a token's text in a chunk template
 
 
 # job field -> what a client sent
@@ -267,6 +270,7 @@ class ChunkWriter:
         self.resumed = resumed  # a resumed stream already had its first (role-bearing) chunk
         self.started: set[int] = set()  # choices whose first chunk went out
         self.offsets: dict[int, int] = {}  # text_offset of each choice's next token (completions' logprobs)
+        self._templates: dict[int, tuple[str, str]] = {}  # a started choice's text chunk, around its text
 
     def delta(self, text: str, lp: list | None = None, index: int = 0) -> dict:
         """A chunk of text; with `lp` (a token entry's logprobs), that token's."""
@@ -286,6 +290,19 @@ class ChunkWriter:
         self.started.add(index)
         return self.base | {"choices": [choice]}
 
+    def delta_json(self, text: str, index: int = 0) -> str:
+        """delta()'s chunk without logprobs, as compact JSON: once the choice has started, from a template
+        around the text (the same bytes json.dumps gives; the dict and its encoding were a tenth of the
+        gateway's time per streamed token)."""
+        tpl = self._templates.get(index)
+        if tpl is None:
+            if not self._started(index):  # the first chunk differs (chat's role); every later one is alike
+                return dumps(self.delta(text, index=index))
+            head, mark, tail = dumps(self.delta(_MARK, index=index)).partition(encode_basestring_ascii(_MARK))
+            assert mark, "the text's place in a chunk"
+            tpl = self._templates[index] = (head, tail)
+        return tpl[0] + encode_basestring_ascii(text) + tpl[1]
+
     def finish(self, result: dict, index: int = 0) -> dict:
         reason = FINISH.get(result.get("finish_reason", "stop"), "stop")
         if self.chat:
@@ -299,3 +316,8 @@ class ChunkWriter:
 
     def _started(self, index: int) -> bool:
         return self.resumed or index in self.started
+
+
+def dumps(data: dict) -> str:
+    """JSON as the streamed chunks carry it: compact, ASCII."""
+    return json.dumps(data, separators=(",", ":"))

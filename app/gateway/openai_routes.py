@@ -21,7 +21,7 @@ from .streams import sse
 def token_chunks(writer: openai_api.ChunkWriter, index: int, entry_id: str, f: dict) -> list[str]:
     if "lp" in f:  # every token has a chunk, its text empty while a character is incomplete
         return [sse(writer.delta(f.get("text", ""), json.loads(f["lp"]), index), entry_id)]
-    return [sse(writer.delta(f.get("text", ""), index=index), entry_id)] if f.get("text") else []
+    return [sse(writer.delta_json(text, index), entry_id)] if (text := f.get("text")) else []
 
 
 def error_chunk(f: dict) -> dict:
