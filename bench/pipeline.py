@@ -31,7 +31,7 @@ from app.redis_conn import raw_xread, xread_streams
 from app.settings import Settings
 from batcher.sim.simulator import percentile
 from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from tasks.contract import END_TYPES, EntryType, stream_key
+from tasks.contract import END_TYPES, STREAM_TICK, EntryType, stream_key
 
 BUDGET = 65536
 TICK = os.sysconf("SC_CLK_TCK")
@@ -73,8 +73,9 @@ def inproc(work, runner: dict) -> tuple[float, dict]:
 def follow(url: str, ids: list[str], out: Connection) -> None:
     """One reader for every stream, in a process of its own (as a gateway is: sharing the
     submitting client's GIL added its switch interval to every read): XREAD over all unfinished keys
-    until each has ended, then the latencies (read time - emit stamp) go back over `out`. Replies are
-    read as hiredis parses them (app/redis_conn.py: raw_xread), as the gateway's hub reads them."""
+    until each has ended, then the latencies (read time - emit stamp) go back over `out`. Between reads it
+    blocks on the workers' STREAM_TICK stream, and replies are read as hiredis parses them
+    (app/redis_conn.py: raw_xread), as the gateway's hub does both."""
     r = redis.Redis.from_url(url, socket_timeout=30)
     raw_xread(r)
     r.ping()
@@ -83,11 +84,13 @@ def follow(url: str, ids: list[str], out: Connection) -> None:
     token, ends = EntryType.TOKEN.encode(), {t.encode() for t in END_TYPES}
     cpu0 = cpu_s()  # the reader's own work, not its start-up imports
     out.send("ready")
+    tick = "0-0"
     while last:
-        resp = r.xread(last, count=1000, block=100)
+        resp = r.xread(last, count=1000)
         now = time.time()
+        full = False
         for key, entries in xread_streams(resp):
-            key = key.decode()
+            key, full = key.decode(), full or len(entries) >= 1000
             for entry_id, raw in entries:
                 last[key] = entry_id
                 fields = dict(zip(raw[::2], raw[1::2], strict=True))
@@ -96,6 +99,9 @@ def follow(url: str, ids: list[str], out: Connection) -> None:
                 elif fields[b"type"] in ends:
                     del last[key]
                     break
+        if last and not full:
+            for _, entries in xread_streams(r.xread({STREAM_TICK: tick}, block=100)):  # until the next batch
+                tick = entries[-1][0]
     out.send((latencies, cpu_s() - cpu0))
 
 

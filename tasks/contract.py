@@ -47,8 +47,12 @@ STARTED_HW = "weightq:started-hw"
 DEAD = "weightq:dead"
 HEARTBEATS = "weightq:workers"
 RECOVER_LOCK = "weightq:recover-lock"
+# One entry (MAXLEN 1) per batch of stream entries a worker writes: a reader following many streams
+# blocks on this one key and then reads them all, where a blocked XREAD of hundreds of keys cost a
+# full command to send and Redis 6 answered it with just the stream that woke it.
+STREAM_TICK = "weightq:stream-tick"
 RUNNING_STREAM_TTL_S = 86_400  # a running job's stream lives a day; once it ends, STREAM_TTL_S
-SINGLETONS = (CANCEL_CHANNEL, QUEUED, STARTED_HW, DEAD, HEARTBEATS, RECOVER_LOCK)
+SINGLETONS = (CANCEL_CHANNEL, QUEUED, STARTED_HW, DEAD, HEARTBEATS, RECOVER_LOCK, STREAM_TICK)
 
 
 def stream_key(job_id: str) -> str:
@@ -277,7 +281,8 @@ return 1
 # A step's stream entries, applied at most once per (writer, seq). A job's last entry and its final
 # state go together, so a worker that dies after writing the end never leaves a 'running' job that a
 # redelivery would run again.
-# KEYS: the writer's key, then streams and job hashes. ARGV: maxlen, stream ttl, job ttl, seq, then
+# Then one STREAM_TICK entry, after them all (readers block on it).
+# KEYS: the writer's key, STREAM_TICK, then streams and job hashes. ARGV: maxlen, stream ttl, job ttl, seq, then
 # per entry its stream index (into KEYS) and either 0 and a plain token's four values (index, text,
 # token id, emit stamp: most entries, in half the arguments) or the number of field pairs, the job
 # index (0: none), the number of job-state pairs, the field pairs, the job-state pairs.
@@ -308,6 +313,7 @@ while i <= #ARGV do
     i = i + 4 + 2 * n + 2 * m
   end
 end
+redis.call('XADD', KEYS[2], 'MAXLEN', '1', '*', 'seq', ARGV[4])
 return 1
 """
 

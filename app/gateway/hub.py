@@ -2,8 +2,9 @@
 
 A blocked XREAD per HTTP client would need a Redis connection per client; the hub instead keeps one
 reader task that XREADs every followed stream at once and hands entries to per-follower queues.
-A follower that registers while that XREAD is blocked is picked up on the next round (the block
-is short), and it reads from its own `last_id`, so nothing written before it registered is missed.
+Between reads it blocks on the workers' STREAM_TICK stream (one entry per batch they write), not on every
+followed stream. A follower that registers while the hub waits is picked up on the next round (the
+wait is short), and it reads from its own `last_id`, so nothing written before it registered is missed.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import redis.asyncio as aredis
 
 from app.redis_conn import connect_async, raw_xread, xread_streams
 from app.settings import Settings
-from tasks.contract import is_end, stream_key
+from tasks.contract import STREAM_TICK, is_end, stream_key
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,11 @@ class StreamHub:
                     f.queue.put_nowait(TimeoutError())
 
     async def _read_loop(self) -> None:
+        """Reads every followed stream, then waits for the next batch a worker writes (its STREAM_TICK entry)
+        or block_ms, whichever comes first: entries that other writers add without a tick (a client's
+        cancel of a queued job, a task's attempt marker) arrive within block_ms."""
         loop = asyncio.get_running_loop()
+        tick = "0-0"
         while True:
             if not self._followers:
                 self._wake.clear()
@@ -110,23 +115,31 @@ class StreamHub:
                 continue
             streams = {key: f.last_id for key, f in self._followers.items()}
             try:
-                resp = await self.redis.xread(streams, count=self.count, block=self.block_ms)
+                full = self._deliver(await self.redis.xread(streams, count=self.count), loop.time())
+                if not full:  # nothing left behind: wait for the next write
+                    woke = await self.redis.xread({STREAM_TICK: tick}, block=self.block_ms)
+                    for _, entries in xread_streams(woke):
+                        tick = entries[-1][0].decode()
             except aredis.RedisError as e:  # Redis away: tell nobody yet, retry (followers time out on their own)
                 log.warning("stream hub: %s; retrying", e)
                 await asyncio.sleep(0.5)
+
+    def _deliver(self, resp, now: float) -> bool:
+        """Hands a raw XREAD reply to the followers; True when a stream had more than one read's worth."""
+        full = False
+        for raw_key, entries in xread_streams(resp):
+            full = full or len(entries) >= self.count
+            follower = self._followers.get(raw_key.decode())
+            if follower is None:
                 continue
-            now = loop.time()
-            for raw_key, entries in xread_streams(resp):
-                follower = self._followers.get(raw_key.decode())
-                if follower is None:
-                    continue
-                put = follower.queue.put_nowait
-                for raw_id, raw in entries:
-                    follower.last_id = raw_id.decode()
-                    pairs = iter(raw)
-                    fields = {k.decode(): v.decode(errors="replace") for k, v in zip(pairs, pairs, strict=True)}
-                    put((follower.last_id, fields))
-                    if is_end(fields):
-                        break
-                if follower.seen != float("inf"):
-                    follower.seen = now
+            put = follower.queue.put_nowait
+            for raw_id, raw in entries:
+                follower.last_id = raw_id.decode()
+                pairs = iter(raw)
+                fields = {k.decode(): v.decode(errors="replace") for k, v in zip(pairs, pairs, strict=True)}
+                put((follower.last_id, fields))
+                if is_end(fields):
+                    break
+            if follower.seen != float("inf"):
+                follower.seen = now
+        return full

@@ -16,6 +16,7 @@ from app.metrics import EngineMetrics
 from app.redis_conn import Durable, NotReplicated, is_transient
 from engine import Event, FinishEvent, TokenEvent
 from tasks.contract import (
+    STREAM_TICK,
     WRITE_BATCH,
     EntryType,
     JobState,
@@ -143,7 +144,7 @@ class StreamPublisher:
     def _apply(self, seq: int, entries: list[tuple]) -> None:
         """One script call per batch, applied at most once: a retry after a lost reply (Redis
         crashed after applying it) is a no-op instead of a second copy of every entry."""
-        keys = [self.writer_key]
+        keys = [self.writer_key, STREAM_TICK]
         index: dict[str, int] = {}
 
         def slot(key: str) -> int:

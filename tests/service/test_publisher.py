@@ -9,7 +9,7 @@ import redis
 from app.worker.publisher import StreamPublisher
 from engine import FinishEvent, TokenEvent
 from engine.params import TokenLogprobs
-from tasks.contract import job_key, stream_key
+from tasks.contract import STREAM_TICK, job_key, stream_key
 
 
 def _fields(r: redis.Redis, job: str) -> list[dict[str, str]]:
@@ -30,7 +30,9 @@ def test_plain_tokens_logprobs_and_the_end_land_as_the_contract_says_once(servic
         ]
         entries = pub._entries(batch)
         pub._apply(1, entries)
+        tick = r.xrange(STREAM_TICK)
         pub._apply(1, entries)  # a retry after a lost reply: nothing twice
+        assert r.xrange(STREAM_TICK) == tick and len(tick) == 1  # one tick per batch applied, the last kept
         assert _fields(r, "j1") == [{"type": "token", "i": "0", "text": " hé", "id": "5", "ts": "100.500000"}]
         j2 = _fields(r, "j2")
         assert [f["type"] for f in j2] == ["token", "token", "end"]
@@ -40,6 +42,8 @@ def test_plain_tokens_logprobs_and_the_end_land_as_the_contract_says_once(servic
         assert r.hget(job_key("j2"), "state") == b"done" and r.ttl(stream_key("j2")) > 0
         pub._apply(2, pub._entries([(TokenEvent("j1", 1, 6, ""), 101.0)]))  # an empty text is a value too
         assert _fields(r, "j1")[1]["text"] == ""
+        (later,) = r.xrange(STREAM_TICK)  # readers blocked on the tick wake after the batch's entries
+        assert later[0] > tick[0][0] and later[1] == {b"seq": b"2"}
         # A step's tuples from an engine process (tokens()) land as the same entries as its events.
         pub._apply(3, pub._entries([([("j3", 0, 5, " hé", None), ("j3", 1, 6, "a", lp)], 102.25)]))
         j3 = _fields(r, "j3")
