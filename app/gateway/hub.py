@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 class _Follower:
     last_id: str
     queue: asyncio.Queue
-    idle_s: float | None
+    idle_s: float | None  # None: no timeout, or its TimeoutError is already queued
     seen: float  # loop time of its registration or last entry
 
 
@@ -99,7 +99,7 @@ class StreamHub:
             now = loop.time()
             for f in list(self._followers.values()):
                 if f.idle_s is not None and now - f.seen > f.idle_s:
-                    f.seen = float("inf")  # told once
+                    f.idle_s = None  # told once
                     f.queue.put_nowait(TimeoutError())
 
     async def _read_loop(self) -> None:
@@ -140,6 +140,5 @@ class StreamHub:
                 put((follower.last_id, fields))
                 if is_end(fields):
                     break
-            if follower.seen != float("inf"):
-                follower.seen = now
+            follower.seen = now
         return full
