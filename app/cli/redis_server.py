@@ -181,7 +181,9 @@ class SentinelGroup:
     """A master, `replicas` replicas (all with `server_args`) and a sentinel watching them, started
     and waited on until every replica is connected: a local Sentinel setup."""
 
-    def __init__(self, home: str | Path, server_args: Sequence[str] = (), replicas: int = 2) -> None:
+    def __init__(
+        self, home: str | Path, server_args: Sequence[str] = (), replicas: int = 2, down_after_ms: int = 1000
+    ) -> None:
         home = Path(home)
         self.master = EmbeddedRedis(home / "m", appendfsync="everysec", extra=server_args)
         self.master.start()
@@ -189,7 +191,7 @@ class SentinelGroup:
         self.replicas = [EmbeddedRedis(home / f"r{i}", appendfsync="everysec", extra=follow) for i in range(replicas)]
         for r in self.replicas:
             r.start()
-        self.sentinel = EmbeddedSentinel(home / "s", self.master.port)
+        self.sentinel = EmbeddedSentinel(home / "s", self.master.port, down_after_ms=down_after_ms)
         self.sentinel.start(replicas=replicas)
         self.url = self.sentinel.url
         deadline = time.monotonic() + 20

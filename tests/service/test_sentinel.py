@@ -24,9 +24,16 @@ HA = {"redis_wait_replicas": "all", "redis_wait_timeout_ms": 500}
 SERVER = ["--min-replicas-to-write", "1", "--min-replicas-max-lag", "1"]
 
 
+# A sentinel starved of CPU for 2 s (a busy machine) enters TILT and acts on nothing for 30 s. After
+# it, a replica whose link to the dead master has been down longer than 10 x down-after is no
+# candidate: with 1 s, no replica ever was ("-failover-abort-no-good-slave" until the test gave up).
+# 4 s keeps every replica a candidate through a whole TILT.
+DOWN_AFTER_MS = 4000
+
+
 @pytest.fixture
 def group(tmp_path):
-    g = SentinelGroup(tmp_path, SERVER)
+    g = SentinelGroup(tmp_path, SERVER, down_after_ms=DOWN_AFTER_MS)
     yield g
     g.stop()
 
