@@ -10,7 +10,6 @@ wait is short), and it reads from its own `last_id`, so nothing written before i
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ class StreamHub:
         self._followers: dict[str, _Follower] = {}  # by stream key
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self._closing = False
 
     async def start(self) -> None:
         self._tasks = [
@@ -49,10 +49,14 @@ class StreamHub:
         ]
 
     async def close(self) -> None:
+        """Stops both tasks. A cancel alone is not enough: one that lands inside redis-py's XREAD can be
+        swallowed there, and the read loop then waited on `_wake` for good (seen in tests); the flag
+        ends the loops at their next turn either way."""
+        self._closing = True
+        self._wake.set()
         for task in self._tasks:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.redis.aclose()
 
     @property
@@ -93,7 +97,7 @@ class StreamHub:
     async def _watch_idle(self) -> None:
         """Ends with TimeoutError every follower that heard nothing for its idle timeout."""
         loop = asyncio.get_running_loop()
-        while True:
+        while not self._closing:
             timeouts = [f.idle_s for f in self._followers.values() if f.idle_s is not None]
             await asyncio.sleep(max(0.01, min(0.5, *(t / 4 for t in timeouts))) if timeouts else 0.5)
             now = loop.time()
@@ -108,7 +112,7 @@ class StreamHub:
         cancel of a queued job, a task's attempt marker) arrive within block_ms."""
         loop = asyncio.get_running_loop()
         tick = "0-0"
-        while True:
+        while not self._closing:
             if not self._followers:
                 self._wake.clear()
                 await self._wake.wait()
