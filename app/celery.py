@@ -1,4 +1,4 @@
-"""The Celery app: `celery -A app worker` finds it here. Configuration comes from Settings alone."""
+"""The Celery app: `celery -A weightq worker` finds it here. Configuration comes from Settings alone."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def tls_options(s: Settings, url: str) -> dict:
     return {"broker_use_ssl": opts, "redis_backend_use_ssl": opts}
 
 
-_OWN_TRANSPORTS = {"redis": "app.transport:Transport", "sentinel": "app.transport:SentinelTransport"}
+_OWN_TRANSPORTS = {"redis": "weightq.transport:Transport", "sentinel": "weightq.transport:SentinelTransport"}
 
 
 def celery_config(s: Settings, url: str | None = None) -> dict:
@@ -75,7 +75,7 @@ def celery_config(s: Settings, url: str | None = None) -> dict:
     }
 
 
-app = Celery("weightq", include=["tasks.generate"])
+app = Celery("weightq", include=["weightq.tasks.generate"])
 app.config_from_object(celery_config(Settings.from_env()))
 app.steps["worker"].add(EngineStep)
 app.steps["consumer"].add(ConsumerLink)

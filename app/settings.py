@@ -9,8 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, DotEnvSettingsSource, EnvSettingsSource, SettingsConfigDict
-
-from engine import EngineConfig
+from weightq.engine import EngineConfig
 
 ENV_FILE = ".env"
 

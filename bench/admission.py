@@ -22,7 +22,7 @@ import random
 import statistics
 import time
 
-from batcher import Batcher, BatcherConfig, Request
+from weightq.batcher import Batcher, BatcherConfig, Request
 
 RUNNING, WAITING = 256, 1024
 

@@ -43,11 +43,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from weightq.engine.flash import available as flash_available
 
-from bench.device_greedy import attention_choices, greedy_phase
-from bench.device_report import DRY, ON_GPU, Report, say
-from bench.device_throughput import throughput_phase
-from engine.flash import available as flash_available
+from .device_greedy import attention_choices, greedy_phase
+from .device_report import DRY, ON_GPU, Report, say
+from .device_throughput import throughput_phase
 
 ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = ("celery", "kombu", "redis", "fastapi", "uvicorn", "app", "tasks")  # engine/ must not need them

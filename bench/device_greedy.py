@@ -9,12 +9,12 @@ import typing
 from pathlib import Path
 
 import torch
+from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+from weightq.engine.flash import available as flash_available
 
-from bench.device_models import build_random_llama, free_memory, load_reference, shape_text
-from bench.device_report import Report, Sizes, say
-from bench.engine import NEAR_TIE, no_eos
-from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from engine.flash import available as flash_available
+from .device_models import build_random_llama, free_memory, load_reference, shape_text
+from .device_report import Report, Sizes, say
+from .engine import NEAR_TIE, no_eos
 
 
 def attention_choices() -> list[str]:

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.device_models import MID, TINY, TINYLLAMA
+from .device_models import MID, TINY, TINYLLAMA
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,19 +9,19 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from weightq.engine import Engine, EngineConfig
 
-from bench.device_greedy import compare, compile_modes, reference_greedy
-from bench.device_models import build_random_llama, free_memory, load_reference, shape_text, sync
-from bench.device_report import Report, Sizes, say
-from bench.engine import NEAR_TIE, hf_cb_config, no_eos, requests
-from engine import Engine, EngineConfig
+from .device_greedy import compare, compile_modes, reference_greedy
+from .device_models import build_random_llama, free_memory, load_reference, shape_text, sync
+from .device_report import Report, Sizes, say
+from .engine import NEAR_TIE, hf_cb_config, no_eos, requests
 
 BF16_TIE = 5e-2  # tests/engine/test_cuda.py: bf16 logits are noisy; a divergence below this gap is a tie
 
 
 # ----- throughput ----------------------------------------------------------------------------------------
 def workload(n: int, prompt: tuple[int, int], new: tuple[int, int], seed: int) -> list[tuple[list[int], int]]:
-    """bench.engine's workload with other ranges: random prompt ids, greedy, EOS ignored."""
+    """weightq.bench.engine's workload with other ranges: random prompt ids, greedy, EOS ignored."""
     rng = random.Random(seed)
     return [([rng.randrange(10, 1100) for _ in range(rng.randint(*prompt))], rng.randint(*new)) for _ in range(n)]
 

@@ -25,9 +25,8 @@ import random
 import time
 
 import torch
-
-from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from engine.builtin import builtin_path
+from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+from weightq.engine.builtin import builtin_path
 
 NEAR_TIE = 1e-4
 
@@ -54,7 +53,7 @@ def run_weightq(work, budget: int, policy: str = "weighted", warmup: bool = Fals
     mode = "predictive" if policy == "predictive" else "worst_case"
     engine = Engine(EngineConfig(max_batch_weight=budget, max_prefill_weight=2048, mode=mode))
     if policy == "static":
-        from batcher.sim.policies import StaticBatcher
+        from weightq.batcher.sim.policies import StaticBatcher
 
         engine.batcher = StaticBatcher(engine.batcher.config)
     engine.generate(requests(work, "warm") if warmup else requests(work[:4], "warm"))

@@ -29,9 +29,9 @@ import tempfile
 import threading
 import time
 
-from app.cli.redis_server import SentinelGroup
-from app.redis_conn import Durable, connect, is_transient
-from app.settings import Settings
+from weightq.cli.redis_server import SentinelGroup
+from weightq.redis_conn import Durable, connect, is_transient
+from weightq.settings import Settings
 
 # Idempotent like weightq's own writes: a retry of a write that did land is a no-op.
 WRITE = "if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then redis.call('RPUSH', KEYS[2], ARGV[1]) end return 1"

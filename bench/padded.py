@@ -23,9 +23,9 @@ import logging
 import time
 
 import torch
+from weightq.engine import Engine, EngineConfig
 
-from bench.engine import requests, workload  # the same workload as the paged engine's benchmark
-from engine import Engine, EngineConfig
+from .engine import requests, workload  # the same workload as the paged engine's benchmark
 
 NEAR_TIE = 1e-4
 MODEL = "builtin:tiny-t5"

@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.peer_client import DEFAULT_PEER, PEER_ENV, PeerError, VllmPeer, omp_bind, peer_problem, peer_python
+from .peer_client import DEFAULT_PEER, PEER_ENV, PeerError, VllmPeer, omp_bind, peer_problem, peer_python
 
 REPO = Path(__file__).resolve().parent.parent
 PEER_BLOCK = 32  # vLLM's CPU attention wants multiples of 32
@@ -130,7 +130,7 @@ def cpu_seconds() -> float:
 
 def run_weightq(engine, work, tag: str) -> tuple[float, float, float, list[list[int]]]:
     """(tok/s, seconds, CPU seconds, output ids) of one generate() over the workload."""
-    from bench.engine import requests
+    from .engine import requests
 
     reqs = requests(work, tag)
     cpu, t0 = cpu_seconds(), time.perf_counter()
@@ -145,8 +145,7 @@ def reference_gaps(model_dir: Path, work, outputs: list[list[int]], diverged: li
         return []
     import torch
     from transformers import AutoModelForCausalLM
-
-    from engine.setup import on_fresh_thread  # keeps the model's OpenMP team off the main thread
+    from weightq.engine.setup import on_fresh_thread  # keeps the model's OpenMP team off the main thread
 
     def gaps() -> list[float]:
         model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval()
@@ -171,9 +170,10 @@ def kv_groups(cases: list[tuple[int, int | None]]) -> list[tuple[int, list[int]]
 
 def run_group(args, kv_tokens: int, sizes: list[int], python: Path, env: dict[str, str], wq_overrides: dict[str, Any]):
     """Start both sides once for this KV setting, then alternate rounds per case."""
-    from bench.engine import NEAR_TIE, workload
-    from engine import Engine, EngineConfig
-    from engine.builtin import builtin_path
+    from weightq.engine import Engine, EngineConfig
+    from weightq.engine.builtin import builtin_path
+
+    from .engine import NEAR_TIE, workload
 
     model_dir = builtin_path("tiny")
 
@@ -301,7 +301,7 @@ def main() -> None:
     python = peer_python(args.peer_python)
     if problem := peer_problem(python):
         print(
-            f"bench.peer: {problem}. Make vLLM's CPU build with `make peer` (it goes into .venv-peer), "
+            f"weightq.bench.peer: {problem}. Make vLLM's CPU build with `make peer` (it goes into .venv-peer), "
             f"or point --peer-python / ${PEER_ENV} at a python that has vllm.",
             file=sys.stderr,
         )
@@ -319,8 +319,7 @@ def main() -> None:
         ap.error(f"--pressure-kv: a comma-separated list of token counts (got {args.pressure_kv!r})")
 
     import torch
-
-    from engine import EngineConfig
+    from weightq.engine import EngineConfig
 
     try:
         wq_overrides = parse_overrides(args.weightq_config, {f.name for f in dataclasses.fields(EngineConfig)})
@@ -332,7 +331,7 @@ def main() -> None:
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": args.vllm_bind or omp_bind(args.threads)}
     env.pop("PYTHONPATH", None)
 
-    from bench.peer_pressure import MAX_TOKENS, REQUESTS, STOP_TOKEN_IDS, run_pressure
+    from .peer_pressure import MAX_TOKENS, REQUESTS, STOP_TOKEN_IDS, run_pressure
 
     out: dict[str, Any] = {"settings": {}, "cases": [], "kv_settings": [], "startup_s": {}, "pressure": []}
     settings: dict[str, Any] = {}
@@ -349,7 +348,7 @@ def main() -> None:
         for kv_tokens in pressure_kv if args.suite != "throughput" else []:
             out["pressure"].append(run_pressure(args, kv_tokens, python, env, wq_overrides))
     except PeerError as e:
-        print(f"bench.peer: {e}\nIf vllm is missing from the peer venv, run `make peer`.", file=sys.stderr)
+        print(f"weightq.bench.peer: {e}\nIf vllm is missing from the peer venv, run `make peer`.", file=sys.stderr)
         sys.exit(2)
     if settings:
         settings["weightq"]["config"].pop("max_batch_weight")  # per KV setting: see kv_tokens

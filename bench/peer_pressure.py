@@ -1,4 +1,4 @@
-"""bench.peer's memory-pressure cases: output lengths the model decides, KV capacity fixed on both sides.
+"""weightq.bench.peer's memory-pressure cases: output lengths the model decides, KV capacity fixed on both sides.
 
     python -m bench.peer --json --suite pressure     # [--pressure-kv 4096,8192] [--rounds 3]
 
@@ -38,7 +38,7 @@ BUCKETS = (50, 100, 200, 300, 400, 511, 512)
 
 
 def pressure_work(seed: int) -> list[tuple[list[int], int]]:
-    from bench.engine import workload
+    from .engine import workload
 
     return [(ids, MAX_TOKENS) for ids, _ in workload(REQUESTS, seed)]
 
@@ -77,7 +77,7 @@ def stop_sets(outputs: list[list[int]], median: float = 100, tail: float = 0.10,
 
 
 def _requests(work, tag: str):
-    from engine import GenerationRequest, SamplingParams
+    from weightq.engine import GenerationRequest, SamplingParams
 
     params = SamplingParams(max_new_tokens=MAX_TOKENS, ignore_eos=True, stop_token_ids=STOP_TOKEN_IDS)
     return [GenerationRequest(f"{tag}{i}", prompt_token_ids=ids, params=params) for i, (ids, _) in enumerate(work)]
@@ -107,11 +107,12 @@ def run_mode(engine, work, tag: str) -> dict[str, Any]:
 
 def run_pressure(args, kv_tokens: int, python: Path, env: dict[str, str], wq_overrides: dict[str, Any]) -> dict:
     """Both batcher modes and vLLM at one KV capacity, rounds rotating the order."""
-    from bench.engine import NEAR_TIE
-    from bench.peer import MAX_MODEL_LEN, PEER_BLOCK, SETTLE_S, first_divergence, parse_overrides, reference_gaps, tally
-    from bench.peer_client import VllmPeer
-    from engine import Engine, EngineConfig
-    from engine.builtin import builtin_path
+    from weightq.engine import Engine, EngineConfig
+    from weightq.engine.builtin import builtin_path
+
+    from .engine import NEAR_TIE
+    from .peer import MAX_MODEL_LEN, PEER_BLOCK, SETTLE_S, first_divergence, parse_overrides, reference_gaps, tally
+    from .peer_client import VllmPeer
 
     def log(msg: str) -> None:
         print(f"[bench.peer pressure] {kv_tokens} KV tokens: {msg}", file=sys.stderr, flush=True)
@@ -190,7 +191,7 @@ def run_pressure(args, kv_tokens: int, python: Path, env: dict[str, str], wq_ove
 
 def choose_stop_ids(seed: int) -> list[dict]:
     """Run the workload to MAX_TOKENS (no stop ids) and list stop-id sets that give the wanted shape."""
-    from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+    from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 
     work = pressure_work(seed)
     engine = Engine(EngineConfig(max_batch_weight=REQUESTS * (256 + MAX_TOKENS)))

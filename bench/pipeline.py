@@ -23,15 +23,14 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import redis
-
-from app.cli.processes import WorkerProcess
-from app.cli.redis_server import EmbeddedRedis
-from app.client import Client
-from app.redis_conn import raw_xread, xread_streams
-from app.settings import Settings
-from batcher.sim.simulator import percentile
-from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from tasks.contract import END_TYPES, STREAM_TICK, EntryType, stream_key
+from weightq.batcher.sim.simulator import percentile
+from weightq.cli.processes import WorkerProcess
+from weightq.cli.redis_server import EmbeddedRedis
+from weightq.client import Client
+from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+from weightq.redis_conn import raw_xread, xread_streams
+from weightq.settings import Settings
+from weightq.tasks.contract import END_TYPES, STREAM_TICK, EntryType, stream_key
 
 BUDGET = 65536
 TICK = os.sysconf("SC_CLK_TCK")

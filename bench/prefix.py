@@ -28,9 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.peer_client import PeerError, VllmPeer, omp_bind, peer_problem, peer_python
-from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from engine.builtin import builtin_path
+from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+from weightq.engine.builtin import builtin_path
+
+from .peer_client import PeerError, VllmPeer, omp_bind, peer_problem, peer_python
 
 KV_TOKENS = 32768
 PEER_BLOCK = 32

@@ -37,15 +37,15 @@ from pathlib import Path
 
 import httpx
 import torch
+from weightq.batcher.sim.simulator import percentile
+from weightq.cli.processes import GatewayProcess, WorkerProcess
+from weightq.cli.redis_server import EmbeddedRedis, free_port
+from weightq.engine import Engine, EngineConfig
+from weightq.engine.builtin import builtin_path
+from weightq.tasks.contract import EntryType, job_key, stream_key
 
-from app.cli.processes import GatewayProcess, WorkerProcess
-from app.cli.redis_server import EmbeddedRedis, free_port
-from batcher.sim.simulator import percentile
-from bench.engine import requests, workload
-from bench.peer_client import omp_bind, peer_problem, peer_python
-from engine import Engine, EngineConfig
-from engine.builtin import builtin_path
-from tasks.contract import EntryType, job_key, stream_key
+from .engine import requests, workload
+from .peer_client import omp_bind, peer_problem, peer_python
 
 BUDGET = 65536  # KV tokens: every request of 256 fits at once; 1,024 queue behind it on both sides
 

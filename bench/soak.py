@@ -3,7 +3,7 @@
     python -m bench.soak --json
 
 A real Redis, the HTTP gateway and a `weightq worker` on the built-in tiny model. Half the jobs go
-through Celery (app.client), half through the gateway (OpenAI completions, streaming or not);
+through Celery (weightq.client), half through the gateway (OpenAI completions, streaming or not);
 about one in ten is cancelled (client cancel, or an HTTP client hanging up mid-stream). When 40%
 have finished the worker is SIGKILLed and a fresh one started. At the end every job's fate is read
 from Redis: completed, cancelled, failed (errors), lost (never finished), duplicated (more than one
@@ -24,14 +24,13 @@ from pathlib import Path
 
 import httpx
 import redis
-
-from app.cli.processes import GatewayProcess, WorkerProcess
-from app.cli.redis_server import EmbeddedRedis
-from app.client import Client
-from app.settings import Settings
-from app.transport import priority_queues
-from tasks.contract import SINGLETONS as CONTRACT_KEYS
-from tasks.contract import is_end, job_key, stream_key
+from weightq.cli.processes import GatewayProcess, WorkerProcess
+from weightq.cli.redis_server import EmbeddedRedis
+from weightq.client import Client
+from weightq.settings import Settings
+from weightq.tasks.contract import SINGLETONS as CONTRACT_KEYS
+from weightq.tasks.contract import is_end, job_key, stream_key
+from weightq.transport import priority_queues
 
 SINGLETONS = {*CONTRACT_KEYS, "weightq", "unacked", "unacked_index"}  # kombu's own, and the queue
 WORKER = {

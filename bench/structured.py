@@ -23,9 +23,10 @@ import json
 import statistics
 import time
 
-from bench.engine import workload
-from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from engine.grammar import guided_spec
+from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+from weightq.engine.grammar import guided_spec
+
+from .engine import workload
 
 BUDGET = 65536
 SCHEMAS = [

@@ -14,8 +14,7 @@ from collections import deque
 from collections.abc import Callable
 
 import torch
-
-from batcher import Request, RequestRejected, chain_keys
+from weightq.batcher import Request, RequestRejected, chain_keys
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, StopMatcher, TokenTexts

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from batcher import RequestRejected
+from weightq.batcher import RequestRejected
 
 GUIDED_KINDS = ("json_schema", "json_object", "regex")
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-
-from batcher import BlockLedger
+from weightq.batcher import BlockLedger
 
 from .attention import DecodeGroup, PrefillChunk, StepMeta, step_context
 from .decode_kernel import compile_paged_decode

@@ -6,8 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from batcher import Request
+from weightq.batcher import Request
 
 from .detokenizer import IncrementalDetokenizer, StopMatcher
 from .params import FinishReason, GenerationRequest, SamplingParams, TokenLogprobs

@@ -10,9 +10,8 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
-
-from batcher import Batcher, BatcherConfig, ConfigError
-from batcher.sim.cost import StepCost
+from weightq.batcher import Batcher, BatcherConfig, ConfigError
+from weightq.batcher.sim.cost import StepCost
 
 from .attention import register
 from .config import EngineConfig

@@ -17,8 +17,7 @@ from __future__ import annotations
 import time
 
 import torch
-
-from batcher.sim.cost import StepCost
+from weightq.batcher.sim.cost import StepCost
 
 from .kv_cache import KVCache, KVGeometry
 from .runner import PagedMemory, Work

@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from batcher import Batcher
+    from weightq.batcher import Batcher
 
     from .config import EngineConfig
     from .models import LoadedModel

@@ -35,7 +35,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine import FinishEvent
+    from weightq.engine import FinishEvent
 
 TASK_NAME = "weightq.generate"
 

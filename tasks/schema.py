@@ -10,9 +10,9 @@ import math
 import re
 from dataclasses import dataclass
 
-from engine import SamplingParams
-from engine.grammar import guided_spec
-from engine.params import DEFAULT_PRIORITY, GUIDED_KINDS, MAX_LOGPROBS
+from weightq.engine import SamplingParams
+from weightq.engine.grammar import guided_spec
+from weightq.engine.params import DEFAULT_PRIORITY, GUIDED_KINDS, MAX_LOGPROBS
 
 MAX_PROMPT_CHARS = 1_000_000
 MAX_STOP = 32

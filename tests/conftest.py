@@ -18,7 +18,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_path():
-    from engine.builtin import builtin_path
+    from weightq.engine.builtin import builtin_path
 
     return builtin_path("tiny")
 
@@ -26,8 +26,8 @@ def tiny_path():
 @pytest.fixture(scope="session")
 def tiny_loaded():
     """The tiny model loaded for the engine (paged attention)."""
-    from engine.attention import register
-    from engine.models import load_model
+    from weightq.engine.attention import register
+    from weightq.engine.models import load_model
 
     return load_model("builtin:tiny", device="cpu", attn_implementation=register("sdpa"))
 
@@ -43,7 +43,7 @@ def reference_model(tiny_path):
 # ----- service fixtures: a real Redis per test module ------------------------------------------------
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory):
-    from app.cli.redis_server import EmbeddedRedis
+    from weightq.cli.redis_server import EmbeddedRedis
 
     server = EmbeddedRedis(tmp_path_factory.mktemp("redis"))
     url = server.start()
@@ -55,10 +55,9 @@ def redis_url(tmp_path_factory):
 def service(redis_url, tmp_path, monkeypatch):
     """A clean Redis, a Client for it, and a factory of worker processes (stopped at teardown)."""
     import redis
-
-    from app.cli.processes import WorkerProcess
-    from app.client import Client
-    from app.settings import Settings
+    from weightq.cli.processes import WorkerProcess
+    from weightq.client import Client
+    from weightq.settings import Settings
 
     redis.Redis.from_url(redis_url).flushall()
     monkeypatch.setenv("REDIS_URL", redis_url)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batcher import Batcher, Request
+from weightq.batcher import Batcher, Request
 
 
 @dataclass

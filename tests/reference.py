@@ -6,8 +6,7 @@ from __future__ import annotations
 import random
 
 import torch
-
-from engine import GenerationRequest, SamplingParams
+from weightq.engine import GenerationRequest, SamplingParams
 
 NEAR_TIE = 1e-4  # FACTS.md: batching noise is ~1e-5 in fp32; a smaller top1-top2 gap is a tie
 

@@ -6,10 +6,10 @@ import argparse
 import json
 from pathlib import Path
 
-from app.client import Client
-from app.client.batch import run_batch
-from app.gateway.openai_batch import OpenAIBatchLines
-from app.settings import Settings
+from weightq.client import Client
+from weightq.client.batch import run_batch
+from weightq.gateway.openai_batch import OpenAIBatchLines
+from weightq.settings import Settings
 
 from .redis_server import ensure_redis
 

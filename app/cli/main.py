@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from batcher import BatcherConfig, ConfigError
-from batcher.sim import POLICIES, StepCost, load_trace, sharegpt_like, simulate_mixed, simulate_policies
+from weightq.batcher import BatcherConfig, ConfigError
+from weightq.batcher.sim import POLICIES, StepCost, load_trace, sharegpt_like, simulate_mixed, simulate_policies
 
 from .batch_cmd import batch_parser
 from .redis_server import ensure_redis
@@ -151,7 +151,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine import Engine, EngineConfig, FinishEvent, GenerationRequest, SamplingParams
+    from weightq.engine import Engine, EngineConfig, FinishEvent, GenerationRequest, SamplingParams
 
     engine = Engine(EngineConfig(model=args.model, device=args.device, max_batch_weight=args.max_batch_weight))
     params = SamplingParams(
@@ -201,11 +201,11 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_worker(args: argparse.Namespace) -> int:
     import os
 
-    from app.settings import Settings
+    from weightq.settings import Settings
 
     settings = Settings.from_env()
     os.environ["REDIS_URL"] = ensure_redis(settings)
-    from app.celery import app
+    from weightq.celery import app
 
     argv = [
         "worker",
@@ -250,9 +250,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     import ipaddress
 
     import uvicorn
-
-    from app.gateway import create_app
-    from app.settings import Settings
+    from weightq.gateway import create_app
+    from weightq.settings import Settings
 
     settings = Settings.from_env()
     host = args.host or settings.gateway_host

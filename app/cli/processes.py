@@ -12,10 +12,9 @@ import time
 from pathlib import Path
 
 import redis
-
-from app.redis_conn import connect
-from app.settings import Settings
-from tasks.contract import HEARTBEATS
+from weightq.redis_conn import connect
+from weightq.settings import Settings
+from weightq.tasks.contract import HEARTBEATS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,7 +29,7 @@ class WorkerProcess:
         env.update({k.upper(): str(v) for k, v in settings.items()})
         with open(self.log_path, "w") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "app.cli", "worker", "-n", name, "-l", "INFO"],
+                [sys.executable, "-m", "weightq.cli", "worker", "-n", name, "-l", "INFO"],
                 cwd=ROOT,
                 env=env,
                 stdout=log,
@@ -94,7 +93,7 @@ class GatewayProcess:
     """`weightq gateway` in a subprocess on a free port, ready once it answers /health."""
 
     def __init__(self, url: str, home: Path, **settings: object) -> None:
-        from app.cli.redis_server import free_port
+        from weightq.cli.redis_server import free_port
 
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -103,7 +102,7 @@ class GatewayProcess:
         env.update({k.upper(): str(v) for k, v in settings.items()})
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "app.cli", "gateway", "--port", str(self.port), "--log-level", "warning"],
+                [sys.executable, "-m", "weightq.cli", "gateway", "--port", str(self.port), "--log-level", "warning"],
                 cwd=ROOT,
                 env=env,
                 stdout=log,

@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import IO
 
 import redis
-
-from app.metrics import live_workers
-from app.redis_conn import connect
-from app.settings import Settings
-from tasks.contract import HEARTBEATS
+from weightq.metrics import live_workers
+from weightq.redis_conn import connect
+from weightq.settings import Settings
+from weightq.tasks.contract import HEARTBEATS
 
 from .redis_server import EmbeddedRedis
 from .supervise import refuse_taken_ports, signals_ignored, stop_on_signals
@@ -59,8 +58,8 @@ class Stack:
             print(f"weightq: embedded Redis at {self.url} (data in {self.redis_server.data_dir})", flush=True)
         env = dict(os.environ, REDIS_URL=self.url, PYTHONUNBUFFERED="1")
         py = [sys.executable, "-m"]
-        self._spawn("worker", [*py, "app.cli", "worker", "-n", self.worker_name, "-l", "INFO"], env)
-        gw = [*py, "app.cli", "gateway", "--host", self.host, "--port", str(self.port), "--log-level", "warning"]
+        self._spawn("worker", [*py, "weightq.cli", "worker", "-n", self.worker_name, "-l", "INFO"], env)
+        gw = [*py, "weightq.cli", "gateway", "--host", self.host, "--port", str(self.port), "--log-level", "warning"]
         self._spawn("gateway", gw, env)
         if self.flower_port is not None:
             flower = [*py, "celery", "-A", "app", "flower", f"--port={self.flower_port}", f"--address={self.host}"]
@@ -238,8 +237,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from app.client import Client
-    from app.client.batch import run_batch
+    from weightq.client import Client
+    from weightq.client.batch import run_batch
 
     from .batch_cmd import format_summary
     from .redis_server import free_port

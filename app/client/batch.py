@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from batcher.sim.simulator import percentile
-from tasks.contract import job_key
-from tasks.schema import RequestError, parse_request
+from weightq.batcher.sim.simulator import percentile
+from weightq.tasks.contract import job_key
+from weightq.tasks.schema import RequestError, parse_request
 
 from .jobs import Client
 

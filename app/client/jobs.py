@@ -1,6 +1,6 @@
 """The client API: enqueue a generation, read its tokens as they come, get the result, cancel it.
 
-    from app.client import Client
+    from weightq.client import Client
     job = Client().submit("Once upon a time", max_new_tokens=64)
     for text in job.stream():
         print(text, end="")
@@ -20,11 +20,10 @@ from dataclasses import dataclass, field
 
 import redis
 from celery import Celery
-
-from app.redis_conn import Durable, connect, retrying
-from app.settings import Settings
-from engine.params import TokenLogprobs
-from tasks.contract import (
+from weightq.engine.params import TokenLogprobs
+from weightq.redis_conn import Durable, connect, retrying
+from weightq.settings import Settings
+from weightq.tasks.contract import (
     CANCEL,
     CANCEL_CHANNEL,
     END_TYPES,
@@ -42,7 +41,7 @@ from tasks.contract import (
     outcome,
     stream_key,
 )
-from tasks.schema import broker_priority, parse_request
+from weightq.tasks.schema import broker_priority, parse_request
 
 __all__ = ["Client", "Job", "JobFailed", "StreamEvent", "submit"]
 
@@ -182,7 +181,7 @@ class Client:
     @property
     def app(self):
         if self._app is None:
-            from app.celery import celery_config
+            from weightq.celery import celery_config
 
             self._app = ClientCelery("weightq-client")
             self._app.config_from_object(celery_config(self.settings, self.url))

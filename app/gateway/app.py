@@ -16,10 +16,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from kombu.exceptions import OperationalError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-from app.settings import Settings
-from tasks.contract import JobFailed
-from tasks.schema import RequestError
+from weightq.settings import Settings
+from weightq.tasks.contract import JobFailed
+from weightq.tasks.schema import RequestError
 
 from . import openai_api, openai_routes, tgi_api, tgi_routes
 from .core import VERSION, Gateway

@@ -15,14 +15,13 @@ from typing import Any, TypeVar
 import redis
 from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry, Counter, Gauge
-
-from app.client import Client
-from app.metrics import WorkerCollector, live_workers
-from app.redis_conn import redacted
-from app.settings import Settings
-from engine.heap import freeze_startup_heap
-from tasks.contract import DEAD, HEARTBEATS, Replay, job_key, outcome
-from tasks.schema import ID_PATTERN
+from weightq.client import Client
+from weightq.engine.heap import freeze_startup_heap
+from weightq.metrics import WorkerCollector, live_workers
+from weightq.redis_conn import redacted
+from weightq.settings import Settings
+from weightq.tasks.contract import DEAD, HEARTBEATS, Replay, job_key, outcome
+from weightq.tasks.schema import ID_PATTERN
 
 from .errors import HTTPError
 from .hub import StreamHub

@@ -15,10 +15,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import redis.asyncio as aredis
-
-from app.redis_conn import connect_async, raw_xread, xread_streams
-from app.settings import Settings
-from tasks.contract import STREAM_TICK, is_end, stream_key
+from weightq.redis_conn import connect_async, raw_xread, xread_streams
+from weightq.settings import Settings
+from weightq.tasks.contract import STREAM_TICK, is_end, stream_key
 
 log = logging.getLogger(__name__)
 

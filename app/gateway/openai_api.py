@@ -10,7 +10,7 @@ import json
 import time
 from json.encoder import encode_basestring_ascii
 
-from tasks.schema import RequestError, field_name
+from weightq.tasks.schema import RequestError, field_name
 
 # Accepted and ignored: they change nothing about the generation.
 IGNORED = {"user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls"}

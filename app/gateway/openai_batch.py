@@ -10,7 +10,7 @@ files written for another one.
 
 from __future__ import annotations
 
-from tasks.schema import RequestError, parse_request
+from weightq.tasks.schema import RequestError, parse_request
 
 from . import openai_api
 

@@ -8,8 +8,7 @@ import json
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-
-from tasks.contract import EntryType, outcome
+from weightq.tasks.contract import EntryType, outcome
 
 from . import openai_api, streams
 from .core import Gateway

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from fastapi import Request
-
-from tasks.schema import MAX_PRIORITY
+from weightq.tasks.schema import MAX_PRIORITY
 
 from .errors import HTTPError
 

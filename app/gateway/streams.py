@@ -10,8 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from fastapi.responses import StreamingResponse
-
-from tasks.contract import EntryType, is_end, outcome
+from weightq.tasks.contract import EntryType, is_end, outcome
 
 if TYPE_CHECKING:
     from .core import Gateway

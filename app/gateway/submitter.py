@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from app.client import Client
-from tasks.schema import parse_request
+from weightq.client import Client
+from weightq.tasks.schema import parse_request
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import random
 
-from tasks.schema import RequestError, field_name
+from weightq.tasks.schema import RequestError, field_name
 
 PARAMETERS = {
     "do_sample", "max_new_tokens", "repetition_penalty", "frequency_penalty", "return_full_text", "stop", "seed",

@@ -7,8 +7,7 @@ import asyncio
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-
-from tasks.contract import EntryType, outcome
+from weightq.tasks.contract import EntryType, outcome
 
 from . import streams
 from .core import Gateway

@@ -14,11 +14,10 @@ from dataclasses import replace
 from celery import bootsteps
 from celery.exceptions import ImproperlyConfigured
 from prometheus_client import CollectorRegistry, start_http_server
-
-from app.metrics import EngineMetrics, WorkerCollector
-from app.redis_conn import Durable, connect
-from app.settings import Settings
-from engine import AnyEngine, Engine, EngineProcess, freeze_startup_heap, own_process, serving_threads
+from weightq.engine import AnyEngine, Engine, EngineProcess, freeze_startup_heap, own_process, serving_threads
+from weightq.metrics import EngineMetrics, WorkerCollector
+from weightq.redis_conn import Durable, connect
+from weightq.settings import Settings
 
 from .host import WorkerHost
 from .publisher import StreamPublisher

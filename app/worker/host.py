@@ -13,11 +13,10 @@ import time
 from typing import Any
 
 import redis
-
-from app.settings import Settings
-from engine import AnyEngine
-from tasks.contract import HEARTBEATS
-from tasks.schema import JobSpec, RequestError
+from weightq.engine import AnyEngine
+from weightq.settings import Settings
+from weightq.tasks.contract import HEARTBEATS
+from weightq.tasks.schema import JobSpec, RequestError
 
 from . import loops
 from .inflight import InFlight

@@ -13,11 +13,10 @@ from typing import TypeVar
 
 import redis
 from celery.exceptions import Reject
-
-from app.redis_conn import Durable, retrying
-from app.settings import Settings
-from engine import AnyEngine, GenerationRequest
-from tasks.contract import (
+from weightq.engine import AnyEngine, GenerationRequest
+from weightq.redis_conn import Durable, retrying
+from weightq.settings import Settings
+from weightq.tasks.contract import (
     BEGIN,
     DEAD,
     FAIL,
@@ -31,8 +30,8 @@ from tasks.contract import (
     result_dict,
     stream_key,
 )
-from tasks.generate import RequestRefused
-from tasks.schema import JobSpec
+from weightq.tasks.generate import RequestRefused
+from weightq.tasks.schema import JobSpec
 
 from .inflight import InFlight
 from .publisher import SHUTDOWN, StreamPublisher

@@ -18,11 +18,10 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
-
-from app.redis_conn import is_transient
-from app.settings import Settings
-from engine import AnyEngine
-from tasks.contract import CANCEL_CHANNEL, HEARTBEATS
+from weightq.engine import AnyEngine
+from weightq.redis_conn import is_transient
+from weightq.settings import Settings
+from weightq.tasks.contract import CANCEL_CHANNEL, HEARTBEATS
 
 from .inflight import InFlight
 

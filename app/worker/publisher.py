@@ -11,11 +11,10 @@ import time
 import uuid
 
 import redis
-
-from app.metrics import EngineMetrics
-from app.redis_conn import Durable, NotReplicated, is_transient
-from engine import Event, FinishEvent, TokenEvent
-from tasks.contract import (
+from weightq.engine import Event, FinishEvent, TokenEvent
+from weightq.metrics import EngineMetrics
+from weightq.redis_conn import Durable, NotReplicated, is_transient
+from weightq.tasks.contract import (
     STREAM_TICK,
     WRITE_BATCH,
     EntryType,

@@ -11,12 +11,11 @@ import time
 from collections.abc import Callable
 
 import redis
-
-from app.settings import Settings
-from app.transport import priority_queues
-from engine.params import DEFAULT_PRIORITY
-from tasks.contract import QUEUED, RECOVER_LOCK, STARTED_HW, TASK_NAME, JobState, args_repr, job_key
-from tasks.schema import MAX_PRIORITY, broker_priority
+from weightq.engine.params import DEFAULT_PRIORITY
+from weightq.settings import Settings
+from weightq.tasks.contract import QUEUED, RECOVER_LOCK, STARTED_HW, TASK_NAME, JobState, args_repr, job_key
+from weightq.tasks.schema import MAX_PRIORITY, broker_priority
+from weightq.transport import priority_queues
 
 log = logging.getLogger(__name__)
 

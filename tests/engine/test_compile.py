@@ -14,10 +14,10 @@ import sys
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+from weightq.engine.decode_kernel import compile_paged_decode, paged_decode
+from weightq.engine.setup import wants_compile
 
-from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from engine.decode_kernel import compile_paged_decode, paged_decode
-from engine.setup import wants_compile
 from tests.reference import assert_greedy_equal, mixed_requests
 
 COMPILING = os.environ.get("WEIGHTQ_TEST_COMPILE") == "1"

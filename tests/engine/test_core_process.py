@@ -12,11 +12,18 @@ import time
 
 import pytest
 import torch
-
-from engine import Engine, EngineConfig, EngineProcess, FinishEvent, GenerationRequest, SamplingParams, TokenEvent
-from engine.core_process import own_process
-from engine.models import ModelNotFound
-from engine.setup import serving_threads
+from weightq.engine import (
+    Engine,
+    EngineConfig,
+    EngineProcess,
+    FinishEvent,
+    GenerationRequest,
+    SamplingParams,
+    TokenEvent,
+)
+from weightq.engine.core_process import own_process
+from weightq.engine.models import ModelNotFound
+from weightq.engine.setup import serving_threads
 
 CONFIG = EngineConfig(max_batch_weight=4096, compile="off")
 
@@ -149,7 +156,7 @@ def test_the_child_exits_when_its_parent_is_killed(tmp_path):
     script = textwrap.dedent(
         """
         import time
-        from engine import EngineConfig, EngineProcess
+        from weightq.engine import EngineConfig, EngineProcess
         if __name__ == "__main__":
             proc = EngineProcess(EngineConfig(max_batch_weight=4096, compile="off"))
             proc.start()

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from weightq.engine import Engine, EngineConfig
+from weightq.engine.flash import available as flash_available
 
-from engine import Engine, EngineConfig
-from engine.flash import available as flash_available
 from tests.reference import assert_greedy_equal, mixed_requests
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none on this machine")

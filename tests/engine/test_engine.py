@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 
 import pytest
+from weightq.engine import Engine, EngineConfig, GenerationRequest, InvalidRequest, ModelNotFound, SamplingParams
+from weightq.engine.models import load_model
 
-from engine import Engine, EngineConfig, GenerationRequest, InvalidRequest, ModelNotFound, SamplingParams
-from engine.models import load_model
 from tests.reference import assert_greedy_equal, mixed_requests, reference
 
 
@@ -120,7 +120,7 @@ def test_stop_sequences_end_generation_and_are_excluded(tiny_loaded):
 
 
 def test_deltas_are_whole_characters_and_concatenate_to_the_text(tiny_loaded):
-    from engine.detokenizer import IncrementalDetokenizer
+    from weightq.engine.detokenizer import IncrementalDetokenizer
 
     tok = tiny_loaded.tokenizer
     text = "Café, Größe: 日本語のテキスト 🎉🚀 and привет."
@@ -278,7 +278,7 @@ def test_invalid_params_raise_with_the_field():
 
 
 def test_kv_capacity_derivation(tiny_loaded):
-    from batcher import ConfigError
+    from weightq.batcher import ConfigError
 
     engine = Engine(EngineConfig(cpu_kv_bytes=8 * 2**20), loaded=tiny_loaded)
     per_token = tiny_loaded.geometry.bytes_per_token

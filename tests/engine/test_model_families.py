@@ -12,8 +12,8 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+from weightq.engine import Engine, EngineConfig
 
-from engine import Engine, EngineConfig
 from tests.reference import assert_greedy_equal, mixed_requests
 
 SMALL = dict(

@@ -16,10 +16,10 @@ from transformers import (
     T5Config,
     T5ForConditionalGeneration,
 )
+from weightq.batcher import ConfigError
+from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+from weightq.engine.builtin import shape_t5
 
-from batcher import ConfigError
-from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from engine.builtin import shape_t5
 from tests.reference import assert_matches, reference, requests
 
 
@@ -141,7 +141,7 @@ def reference_ignoring_eos(model, req: GenerationRequest) -> list[int]:
 
 
 def test_budget_is_derived_from_measured_memory(tmp_path, tiny_path):
-    from engine.builtin import builtin_path
+    from weightq.engine.builtin import builtin_path
 
     engine = Engine(EngineConfig(model="builtin:tiny-t5", device="cpu", cpu_kv_bytes=32 * 2**20))
     assert engine.lm.runner == "padded" and "B per weight unit" in engine.kv_derivation
@@ -164,8 +164,7 @@ def test_auto_picks_the_runner_and_refuses_paged_for_seq2seq(tiny_loaded):
 def test_a_seq2seq_worker_streams_cancels_and_serves_the_gateway(service, tmp_path):
     """The same task, cancellation, stats and HTTP front door on top of the padded runner."""
     import httpx
-
-    from app.cli.processes import GatewayProcess
+    from weightq.cli.processes import GatewayProcess
 
     w = service.worker(model="builtin:tiny-t5").wait_ready()
     gateway = GatewayProcess(service.url, tmp_path).wait_ready()

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import random
 
-from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+
 from tests.reference import assert_greedy_equal
 
 

@@ -9,8 +9,8 @@ from collections import Counter
 
 import pytest
 import torch
+from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 
-from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from tests.reference import NEAR_TIE
 
 

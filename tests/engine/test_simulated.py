@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
-from batcher import ConfigError
-from batcher.sim.cost import StepCost
-from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+from weightq.batcher import ConfigError
+from weightq.batcher.sim.cost import StepCost
+from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 
 
 def reqs(n: int, tag: str = "r", max_new: int = 24) -> list[GenerationRequest]:

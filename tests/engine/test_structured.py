@@ -8,9 +8,8 @@ import re
 
 import jsonschema
 import pytest
-
-from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from engine.grammar import available, guided_spec
+from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+from weightq.engine.grammar import available, guided_spec
 
 pytestmark = pytest.mark.skipif(not available(), reason="xgrammar is not installed (make installs it)")
 

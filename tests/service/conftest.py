@@ -8,8 +8,7 @@ import openai
 import pytest
 import redis
 import text_generation
-
-from app.cli.processes import GatewayProcess, WorkerProcess
+from weightq.cli.processes import GatewayProcess, WorkerProcess
 
 KEY = "test-key-123"
 

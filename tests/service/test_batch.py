@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from app.client.batch import BatchRun, done_ids, run_batch
+from weightq.client.batch import BatchRun, done_ids, run_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,8 +62,7 @@ def test_results_errors_and_resume(service, tmp_path):
 
 def test_a_batch_runs_at_the_class_it_is_given(service, tmp_path):
     import redis
-
-    from tasks.contract import job_key
+    from weightq.tasks.contract import job_key
 
     service.worker().wait_ready()
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
@@ -99,7 +98,7 @@ def test_ctrl_c_leaves_a_valid_file_and_a_rerun_finishes(service, tmp_path):
     service.worker().wait_ready()
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_requests(src, 80, max_new_tokens=48)
-    cmd = [sys.executable, "-m", "app.cli", "batch", str(src), "-o", str(out), "--max-in-flight", "16", "--json"]
+    cmd = [sys.executable, "-m", "weightq.cli", "batch", str(src), "-o", str(out), "--max-in-flight", "16", "--json"]
     env = dict(os.environ, REDIS_URL=service.url)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
@@ -121,7 +120,7 @@ def test_ctrl_c_leaves_a_valid_file_and_a_rerun_finishes(service, tmp_path):
 
 def test_openai_batch_files_give_openai_shaped_lines(service, tmp_path):
     """200 mixed lines of OpenAI's Batch API format (chat, completions, some invalid), run unchanged."""
-    from app.gateway.openai_batch import OpenAIBatchLines
+    from weightq.gateway.openai_batch import OpenAIBatchLines
 
     service.worker().wait_ready()
     src, out = tmp_path / "openai.jsonl", tmp_path / "openai-out.jsonl"

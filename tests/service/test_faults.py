@@ -11,13 +11,12 @@ import time
 import httpx
 import pytest
 import redis
-
-from app.cli.processes import GatewayProcess, WorkerProcess
-from app.cli.redis_server import EmbeddedRedis
-from app.client import Client, JobFailed
-from app.settings import Settings
-from app.transport import priority_queues
-from tasks.contract import job_key, stream_key
+from weightq.cli.processes import GatewayProcess, WorkerProcess
+from weightq.cli.redis_server import EmbeddedRedis
+from weightq.client import Client, JobFailed
+from weightq.settings import Settings
+from weightq.tasks.contract import job_key, stream_key
+from weightq.transport import priority_queues
 
 
 def end_entries(url: str, job_id: str) -> list[dict]:
@@ -189,7 +188,7 @@ def test_a_dead_engine_process_takes_its_worker_down_and_its_jobs_run_again(serv
 def test_a_retried_begin_is_not_another_attempt(service):
     """A BEGIN whose reply was lost (or whose write replicas did not confirm) is sent again: the same
     run must not count twice, or retries alone would dead-letter a healthy job."""
-    from tasks.contract import BEGIN, DEAD, QUEUED, STARTED_HW
+    from weightq.tasks.contract import BEGIN, DEAD, QUEUED, STARTED_HW
 
     r = redis.Redis.from_url(service.url)
     begin = r.register_script(BEGIN)

@@ -17,10 +17,9 @@ import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from app.cli.processes import GatewayProcess, WorkerProcess
-from app.gateway import openai_api, tgi_api
-from tasks.schema import FIELDS, RequestError, parse_request
+from weightq.cli.processes import GatewayProcess, WorkerProcess
+from weightq.gateway import openai_api, tgi_api
+from weightq.tasks.schema import FIELDS, RequestError, parse_request
 
 EXAMPLES = int(os.environ.get("WEIGHTQ_EXAMPLES", "150"))
 scalars = st.one_of(

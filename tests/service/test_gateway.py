@@ -13,9 +13,8 @@ import openai
 import pytest
 import redis
 from text_generation.errors import ValidationError
-
-from app.cli.processes import GatewayProcess
-from tasks.contract import job_key
+from weightq.cli.processes import GatewayProcess
+from weightq.tasks.contract import job_key
 
 
 def test_openai_completions_stream_equals_non_stream(stack):
@@ -32,7 +31,7 @@ def test_openai_completions_stream_equals_non_stream(stack):
 
 
 def test_openai_chat_uses_the_chat_template_like_the_engine(stack, tiny_loaded):
-    from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+    from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a KV block?"}]
     full = stack.oai.chat.completions.create(model="builtin:tiny", messages=messages, max_tokens=16, temperature=0)

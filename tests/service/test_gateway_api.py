@@ -9,8 +9,7 @@ import httpx
 import pytest
 import redis
 from text_generation.types import Grammar
-
-from tasks.contract import job_key
+from weightq.tasks.contract import job_key
 
 
 def _job_result(stack, response_id: str) -> dict:

@@ -8,10 +8,9 @@ import time
 
 import pytest
 import redis
-
-from app.gateway.hub import StreamHub
-from app.settings import Settings
-from tasks.contract import EntryType, stream_key
+from weightq.gateway.hub import StreamHub
+from weightq.settings import Settings
+from weightq.tasks.contract import EntryType, stream_key
 
 
 def run(coro):

@@ -5,9 +5,8 @@ queued low-priority job for a lost one."""
 from __future__ import annotations
 
 import redis
-
-from app.transport import priority_queues
-from tasks.contract import job_key, stream_key
+from weightq.tasks.contract import job_key, stream_key
+from weightq.transport import priority_queues
 
 
 def attempt_ids(r: redis.Redis, job_id: str) -> list[str]:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 
 import redis
-
-from app.worker.publisher import StreamPublisher
-from engine import FinishEvent, TokenEvent
-from engine.params import TokenLogprobs
-from tasks.contract import STREAM_TICK, job_key, stream_key
+from weightq.engine import FinishEvent, TokenEvent
+from weightq.engine.params import TokenLogprobs
+from weightq.tasks.contract import STREAM_TICK, job_key, stream_key
+from weightq.worker.publisher import StreamPublisher
 
 
 def _fields(r: redis.Redis, job: str) -> list[dict[str, str]]:

@@ -10,12 +10,11 @@ import sys
 import httpx
 import pytest
 import redis
-
-from app.celery import celery_config
-from app.cli.processes import ROOT, GatewayProcess, WorkerProcess
-from app.cli.redis_server import EmbeddedRedis
-from app.client import Client
-from app.settings import Settings
+from weightq.celery import celery_config
+from weightq.cli.processes import ROOT, GatewayProcess, WorkerProcess
+from weightq.cli.redis_server import EmbeddedRedis
+from weightq.client import Client
+from weightq.settings import Settings
 
 
 def test_a_password_protected_redis_works_end_to_end(tmp_path):
@@ -53,7 +52,7 @@ def test_rediss_urls_get_certificate_checking_for_broker_and_backend():
 def test_gateway_refuses_a_public_bind_without_an_api_key(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "API_KEY"} | {"WEIGHTQ_HOME": str(tmp_path)}
     out = subprocess.run(
-        [sys.executable, "-m", "app.cli", "gateway", "--host", "0.0.0.0", "--port", "1"],
+        [sys.executable, "-m", "weightq.cli", "gateway", "--host", "0.0.0.0", "--port", "1"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode != 0 and "refusing to serve 0.0.0.0 without an API key" in out.stderr

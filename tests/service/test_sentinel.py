@@ -12,12 +12,11 @@ import time
 
 import httpx
 import pytest
-
-from app.cli.processes import GatewayProcess, WorkerProcess
-from app.cli.redis_server import SentinelGroup
-from app.client import Client
-from app.settings import Settings
-from tasks.contract import EntryType, job_key, stream_key
+from weightq.cli.processes import GatewayProcess, WorkerProcess
+from weightq.cli.redis_server import SentinelGroup
+from weightq.client import Client
+from weightq.settings import Settings
+from weightq.tasks.contract import EntryType, job_key, stream_key
 
 # Zero loss in a failover: every write of weightq's waits for all the replicas that are up.
 HA = {"redis_wait_replicas": "all", "redis_wait_timeout_ms": 500}

@@ -12,8 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-
-from app.cli.redis_server import free_port
+from weightq.cli.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +24,7 @@ def clean_env(home: Path) -> dict:
 
 def test_demo_runs_the_whole_stack_and_exits_cleanly(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "app.cli", "demo"], cwd=ROOT, env=clean_env(tmp_path), capture_output=True,
+        [sys.executable, "-m", "weightq.cli", "demo"], cwd=ROOT, env=clean_env(tmp_path), capture_output=True,
         text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -58,7 +57,7 @@ def stacks():
 def test_up_serves_until_ctrl_c_then_stops_everything(tmp_path, stacks):
     port, flower_port = free_port(), free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "up", "--port", str(port), "--flower", "--flower-port", str(flower_port)],
+        [sys.executable, "-m", "weightq.cli", "up", "--port", str(port), "--flower", "--flower-port", str(flower_port)],
         cwd=ROOT, env=clean_env(tmp_path),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
@@ -119,7 +118,7 @@ def _processes_with_env(needle: str) -> list[int]:
 
 def _start_up(tmp_path, port: int, stacks: list) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "up", "--port", str(port)], cwd=ROOT, env=clean_env(tmp_path),
+        [sys.executable, "-m", "weightq.cli", "up", "--port", str(port)], cwd=ROOT, env=clean_env(tmp_path),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     stacks.append(proc)
@@ -155,7 +154,7 @@ def test_up_and_gateway_refuse_a_port_in_use_before_saying_ready(tmp_path):
         port = taken.getsockname()[1]
         for cmd in (["up", "--port", str(port)], ["gateway", "--port", str(port)]):
             proc = subprocess.run(
-                [sys.executable, "-m", "app.cli", *cmd], cwd=ROOT, env=clean_env(tmp_path), capture_output=True,
+                [sys.executable, "-m", "weightq.cli", *cmd], cwd=ROOT, env=clean_env(tmp_path), capture_output=True,
                 text=True, timeout=120,
             )  # fmt: skip
             assert proc.returncode != 0, proc.stdout

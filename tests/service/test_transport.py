@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import redis
 from kombu import Connection, Consumer, Exchange, Producer, Queue
-
-from app.transport import priority_queues
+from weightq.transport import priority_queues
 
 OPTIONS = {"priority_steps": list(range(10)), "queue_order_strategy": "priority"}
 
 
 def _connect(url: str) -> Connection:
-    return Connection(url, transport="app.transport:Transport", transport_options=OPTIONS)
+    return Connection(url, transport="weightq.transport:Transport", transport_options=OPTIONS)
 
 
 def test_one_drain_takes_a_burst_in_priority_order_and_records_each_as_unacked(service):

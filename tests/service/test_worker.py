@@ -8,10 +8,9 @@ import time
 
 import pytest
 import redis
-
-from app.client import JobFailed
-from tasks.contract import job_key, stream_key
-from tasks.schema import RequestError
+from weightq.client import JobFailed
+from weightq.tasks.contract import job_key, stream_key
+from weightq.tasks.schema import RequestError
 
 
 def stream_entries(url: str, job_id: str) -> list[dict]:
@@ -22,7 +21,7 @@ def stream_entries(url: str, job_id: str) -> list[dict]:
 @pytest.mark.parametrize("model", ["builtin:tiny", "builtin:tiny-t5"])
 def test_100_jobs_stream_and_match_the_in_process_engine(service, tiny_loaded, model):
     """The decoder-only model on the paged runner, and a seq2seq model (T5) on the padded runner."""
-    from engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+    from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 
     w = service.worker(model=model).wait_ready()
     assert w.stats()["runner"] == ("padded" if model.endswith("t5") else "paged")
@@ -179,7 +178,7 @@ def test_worker_refuses_a_pool_that_cannot_host_the_engine(redis_url):
     import subprocess
     import sys
 
-    from app.cli.processes import ROOT
+    from weightq.cli.processes import ROOT
 
     out = subprocess.run(
         [sys.executable, "-m", "celery", "-A", "app", "worker", "-P", "solo"],
@@ -200,8 +199,8 @@ def test_flower_shows_the_worker_and_engine_stats(service, tmp_path):
     import sys
     import urllib.request
 
-    from app.cli.processes import ROOT
-    from app.cli.redis_server import free_port
+    from weightq.cli.processes import ROOT
+    from weightq.cli.redis_server import free_port
 
     service.worker().wait_ready()
     service.client.submit("for flower", max_new_tokens=5).result(timeout=60)

@@ -3,8 +3,8 @@
 import math
 
 import pytest
+from weightq.batcher import Batcher, BatcherConfig, ConfigError, Entry, Request, RequestRejected, TokenProfile
 
-from batcher import Batcher, BatcherConfig, ConfigError, Entry, Request, RequestRejected, TokenProfile
 from tests.drive import drive
 
 

@@ -3,9 +3,8 @@
 import json
 
 import pytest
-
-from app.cli import main
-from batcher.sim import POLICIES
+from weightq.batcher.sim import POLICIES
+from weightq.cli import main
 
 
 def test_sim_json_has_every_policy_and_metric(capsys):
@@ -71,7 +70,7 @@ def test_generate_streams_text(capsys):
 def test_up_with_flower_names_the_extra_when_flower_is_missing(monkeypatch):
     import importlib.util
 
-    from app.cli.stack import require_flower
+    from weightq.cli.stack import require_flower
 
     require_flower()  # installed here (the dev extra)
     real = importlib.util.find_spec

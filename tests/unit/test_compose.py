@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from app.cli import build_parser
-from app.settings import Settings, env_name
+from weightq.cli import build_parser
+from weightq.settings import Settings, env_name
 
 ROOT = Path(__file__).resolve().parents[2]
 EXTERNAL_ENV = {"HF_HOME"}  # read by libraries, not by Settings
@@ -54,12 +53,12 @@ def test_deployment_promises(services):
     assert devices[0]["capabilities"] == ["gpu"]
     assert any(v.endswith(":/data") for v in services["worker"]["volumes"])  # model cache survives restarts
     flower = services["flower"]["command"]
-    assert flower[:4] == ["celery", "-A", "app", "flower"] and any(a.startswith("--basic-auth=") for a in flower)
+    assert flower[:4] == ["celery", "-A", "weightq", "flower"] and any(a.startswith("--basic-auth=") for a in flower)
     assert "API_KEY" in services["gateway"]["environment"]  # the gateway binds 0.0.0.0: it needs a key
 
 
 def test_celery_app_named_by_compose_exists():
-    from app.celery import app
+    from weightq.celery import app
 
     app.loader.import_default_modules()  # what a worker does at start
     assert "weightq.generate" in app.tasks

@@ -4,8 +4,7 @@ import random
 import statistics
 
 import pytest
-
-from batcher import OutputLengthEstimator
+from weightq.batcher import OutputLengthEstimator
 
 
 def _brute(lengths: list[int], max_new: int, generated: int) -> tuple[float, float]:

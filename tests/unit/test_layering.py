@@ -1,27 +1,90 @@
-"""Dependencies point one way: app -> tasks -> engine -> batcher. batcher/ is pure standard library."""
+"""Dependencies point one way: app -> tasks -> engine -> batcher. batcher/ is pure standard library.
+
+Installed, the folders are one package: app/ is `weightq`, and tasks/, engine/, batcher/ and bench/ are
+`weightq.tasks`, `weightq.engine`, `weightq.batcher` and `weightq.bench` (pyproject.toml's package-dir)."""
 
 import ast
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
-FORBIDDEN = {"torch", "redis", "celery", "kombu", "transformers", "numpy", "engine", "tasks", "app"}
-ENGINE_FORBIDDEN = {"redis", "celery", "kombu", "tasks", "app"}
 ROOT = Path(__file__).resolve().parents[2]
+FOLDERS = {
+    "app": "weightq",
+    "tasks": "weightq.tasks",
+    "engine": "weightq.engine",
+    "batcher": "weightq.batcher",
+    "bench": "weightq.bench",
+}
+HEAVY = {"torch", "redis", "celery", "kombu", "transformers", "numpy"}
 
 
-def imports_of(package: str, forbidden: set[str]) -> list[str]:
+def layer(module: str) -> str:
+    """The repository folder (layer) an absolute module name belongs to, or its top-level name."""
+    parts = module.split(".")
+    if parts[0] != "weightq":
+        return parts[0]
+    return parts[1] if len(parts) > 1 and parts[1] in ("tasks", "engine", "batcher", "bench") else "app"
+
+
+def imported(path: Path, package: str) -> list[str]:
+    """Absolute names of every module `path` (in dotted `package`) imports, relative imports resolved."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                names.append(f"{base}.{node.module}" if node.module else base)
+            elif node.module:
+                names.append(node.module)
+    return names
+
+
+def module_of(path: Path) -> tuple[str, str]:
+    """(module, package) of a source file, by its installed name."""
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = [FOLDERS[rel.parts[0]], *rel.parts[1:]]
+    mod = ".".join(parts[:-1] if rel.name == "__init__" else parts)
+    return mod, (mod if rel.name == "__init__" else mod.rsplit(".", 1)[0])
+
+
+def imports_of(folder: str, forbidden: set[str]) -> list[str]:
     offenders = []
-    for path in (ROOT / package).rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in forbidden]
+    for path in (ROOT / folder).rglob("*.py"):
+        _mod, package = module_of(path)
+        offenders += [f"{path.relative_to(ROOT)}: {n}" for n in imported(path, package) if layer(n) in forbidden]
     return offenders
+
+
+FORBIDDEN = HEAVY | {"engine", "tasks", "app"}
+ENGINE_FORBIDDEN = {"redis", "celery", "kombu", "tasks", "app"}
+
+
+def test_no_module_imports_a_folder_by_its_repository_name():
+    """`import app` or `from tasks...` would find a web app's own app.py / tasks.py first."""
+    bare = {"app", "tasks", "engine", "batcher", "bench"}
+    offenders = []
+    for folder in [*FOLDERS, "tests"]:
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in bare]
+    assert offenders == []
+
+
+def test_every_package_is_installed_under_weightq():
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert cfg["package-dir"] == {"weightq": "app", **{v: k for k, v in FOLDERS.items() if k != "app"}}
+    found = sorted(module_of(p)[0] for folder in FOLDERS for p in (ROOT / folder).rglob("__init__.py"))
+    assert sorted(cfg["packages"]) == found
 
 
 def test_batcher_imports_nothing_heavy_or_upstream():
@@ -34,8 +97,9 @@ def test_engine_knows_nothing_of_redis_celery_or_the_service():
 
 def test_importing_batcher_loads_no_forbidden_module():
     code = (
-        "import sys, batcher, batcher.sim; "
-        f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {sorted(FORBIDDEN)!r}); "
+        "import sys, weightq.batcher, weightq.batcher.sim; "
+        f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {sorted(HEAVY)!r} "
+        "or m.startswith(('weightq.engine', 'weightq.tasks', 'weightq.gateway', 'weightq.worker'))); "
         "print(','.join(bad))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
@@ -50,24 +114,8 @@ def _app_imports() -> dict[str, set[str]]:
     """app module -> the app modules it imports (module level, relative or absolute; TYPE_CHECKING too)."""
     graph: dict[str, set[str]] = {}
     for path in (ROOT / "app").rglob("*.py"):
-        rel = path.relative_to(ROOT).with_suffix("")
-        mod = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
-        pkg = mod if rel.name == "__init__" else mod.rsplit(".", 1)[0]
-        deps: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = pkg.rsplit(".", node.level - 1)[0] if node.level > 1 else pkg
-                    target = f"{base}.{node.module}" if node.module else base
-                    names = [target] + ([f"{target}.{a.name}" for a in node.names] if not node.module else [])
-                else:
-                    names = [node.module or ""]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            else:
-                continue
-            deps |= {n for n in names if n.split(".")[0] == "app"}
-        graph[mod] = deps
+        mod, package = module_of(path)
+        graph[mod] = {n for n in imported(path, package) if layer(n) == "app" and n.startswith("weightq")}
     # an import of a package means its __init__; of a name inside a module, that module
     modules = set(graph)
     return {m: {d if d in modules else d.rsplit(".", 1)[0] for d in ds} & modules - {m} for m, ds in graph.items()}
@@ -82,7 +130,7 @@ def test_app_has_no_import_cycles_between_its_subpackages():
 
     edges = {(sub(a), sub(b)) for a, ds in graph.items() for b in ds if sub(a) != sub(b)}
     for a, b in edges:
-        assert (b, a) not in edges, f"app.{a} and app.{b} import each other"
+        assert (b, a) not in edges, f"weightq.{a} and weightq.{b} import each other"
 
 
 def test_app_layout_a_newcomer_can_read():

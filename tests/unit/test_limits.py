@@ -1,6 +1,6 @@
 """Per-client limits: concurrency and a token-bucket rate, pencil-and-paper cases."""
 
-from app.gateway.limits import ClientLimits, retry_after
+from weightq.gateway.limits import ClientLimits, retry_after
 
 
 def test_concurrency_limit_is_per_client_and_released():

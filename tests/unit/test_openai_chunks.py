@@ -3,8 +3,7 @@
 import json
 
 import pytest
-
-from app.gateway.openai_api import ChunkWriter
+from weightq.gateway.openai_api import ChunkWriter
 
 TEXTS = ["", " the", 'a "quoted" \\ back', "line\nbreak\ttab", "\x00\x1f ctl", "é ü 漢字 🙂", "</script>"]
 

@@ -11,8 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from bench.peer import (
+from weightq.bench.peer import (
     MAX_MODEL_LEN,
     first_divergence,
     kv_groups,
@@ -29,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "bench.peer", "--json", *args],
+        [sys.executable, "-m", "weightq.bench.peer", "--json", *args],
         cwd=REPO,
         env={**os.environ, **(env or {})},
         capture_output=True,

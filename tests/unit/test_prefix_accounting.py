@@ -9,11 +9,10 @@ from dataclasses import replace
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from batcher import Batcher, BatcherConfig, BlockLedger, Entry, Request, TokenProfile, chain_keys
-from batcher.projection import ceil_to
-from batcher.sim.simulator import simulate
-from batcher.sim.trace import TraceRequest
+from weightq.batcher import Batcher, BatcherConfig, BlockLedger, Entry, Request, TokenProfile, chain_keys
+from weightq.batcher.projection import ceil_to
+from weightq.batcher.sim.simulator import simulate
+from weightq.batcher.sim.trace import TraceRequest
 
 SETTINGS = settings(
     max_examples=int(os.environ.get("WEIGHTQ_EXAMPLES", "120")),

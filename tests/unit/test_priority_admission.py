@@ -3,8 +3,8 @@ simulator's mixed preset."""
 
 from __future__ import annotations
 
-from batcher import Batcher, BatcherConfig, Request, RequestRejected
-from batcher.sim import simulate_mixed
+from weightq.batcher import Batcher, BatcherConfig, Request, RequestRejected
+from weightq.batcher.sim import simulate_mixed
 
 
 def batcher(budget=100, **kw) -> Batcher:
@@ -76,9 +76,8 @@ def test_the_mixed_preset_keeps_interactive_ttft_and_throughput():
 
 def test_gateway_priority_comes_from_the_header_capped_by_the_keys_class():
     import pytest
-
-    from app.gateway.errors import HTTPError
-    from app.gateway.priority import key_classes, request_priority
+    from weightq.gateway.errors import HTTPError
+    from weightq.gateway.priority import key_classes, request_priority
 
     assert key_classes("k1:9, k2:0,") == {"k1": 9, "k2": 0}
     with pytest.raises(ValueError, match="KEY_PRIORITIES"):

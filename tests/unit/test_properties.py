@@ -7,9 +7,9 @@ from dataclasses import replace
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from weightq.batcher import Batcher, BatcherConfig, Entry, Request, weight_model
+from weightq.batcher.projection import ceil_to
 
-from batcher import Batcher, BatcherConfig, Entry, Request, weight_model
-from batcher.projection import ceil_to
 from tests.drive import drive
 
 # WEIGHTQ_EXAMPLES=5000 for a thorough run; CI keeps the default.

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import redis
 from pydantic import ValidationError
-
-from app.celery import celery_config
-from app.redis_conn import NotReplicated, is_transient, parse_sentinel
-from app.settings import Settings
+from weightq.celery import celery_config
+from weightq.redis_conn import NotReplicated, is_transient, parse_sentinel
+from weightq.settings import Settings
 
 URL = "sentinel://:s3cret@10.0.0.1:26379/2;sentinel://10.0.0.2;sentinel://10.0.0.3:26380"
 
@@ -25,13 +24,14 @@ def test_celery_gets_the_master_name_and_weightqs_transport():
     s = Settings(redis_url=URL, redis_sentinel_master="jobs", redis_sentinel_password="pw")
     conf = celery_config(s)
     assert conf["broker_url"] == conf["result_backend"] == URL
-    assert conf["broker_transport"] == "app.transport:SentinelTransport"
+    assert conf["broker_transport"] == "weightq.transport:SentinelTransport"
     assert conf["broker_transport_options"]["master_name"] == "jobs"
     assert conf["broker_transport_options"]["visibility_timeout"] == s.visibility_timeout_s
     assert conf["broker_transport_options"]["unacked_mutex_expire"] == 10  # a killed holder blocks restores
     assert conf["result_backend_transport_options"] == {"master_name": "jobs", "sentinel_kwargs": {"password": "pw"}}
     plain = celery_config(Settings(redis_url="redis://h:1/0"))
-    assert plain["broker_transport"] == "app.transport:Transport" and "result_backend_transport_options" not in plain
+    assert plain["broker_transport"] == "weightq.transport:Transport"
+    assert "result_backend_transport_options" not in plain
 
 
 def test_replies_of_a_failing_over_master_are_transient_and_others_are_not():
@@ -57,7 +57,7 @@ def test_wait_replicas_is_a_count_or_all_and_errors_name_the_variable():
 
 
 def test_logged_urls_hide_passwords():
-    from app.redis_conn import redacted
+    from weightq.redis_conn import redacted
 
     assert redacted(URL) == URL.replace("s3cret", "***")
     assert redacted("rediss://user:pw@h:1/0") == "rediss://user:***@h:1/0"

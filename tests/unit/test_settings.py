@@ -1,9 +1,8 @@
 """Settings come from the environment, typed, with the variable named in every error."""
 
 import pytest
-
-from app.celery import celery_config
-from app.settings import Settings
+from weightq.celery import celery_config
+from weightq.settings import Settings
 
 
 def test_from_env_types_and_defaults():
