@@ -48,9 +48,16 @@ class Accounting:
     # ----- weights ----------------------------------------------------------------------------------
     def batch_weight(self) -> int:
         """The weight the running requests hold now (their tokens so far, whole prompts included)."""
-        running, b = self.running.values(), self.weight.block_size
-        own = [r.context_len - r.shared * b for r in running]
-        return self.weight.batch(own, [r.fixed_len for r in running]) + self.shared.held * b
+        return self._weight_with(0)
+
+    def _weight_with(self, more: int) -> int:
+        """The running requests' weight with `more` tokens each."""
+        running, w = self.running.values(), self.weight
+        if w.name == "token" and not w.uniform:
+            return sum(w.own(r.context_len + more, r.shared) for r in running) + self.shared.held * w.block_size
+        b = w.block_size
+        own = [r.context_len + more - r.shared * b for r in running]
+        return w.batch(own, [r.fixed_len for r in running]) + self.shared.held * b
 
     def room_for(self) -> int:
         """How many more requests of the typical size (recent admissions' reserved weight) would fit
@@ -68,9 +75,7 @@ class Accounting:
     def _next_weight(self) -> int:
         """The weight after the next step if every running request emits a token (a prefilling one
         emits with its last chunk, so it is counted as growing too: conservative by at most a block)."""
-        running, b = self.running.values(), self.weight.block_size
-        own = [r.context_len + 1 - r.shared * b for r in running]
-        return self.weight.batch(own, [r.fixed_len for r in running]) + self.shared.held * b
+        return self._weight_with(1)
 
     def _running_changed(self) -> None:
         """The running set or a reservation changed: prefilling requests' entries (which depend on the
@@ -91,12 +96,14 @@ class Accounting:
         self._set_entry(req.id, None)
         if self.ledger is not None:
             self.ledger.release(req.block_table)
+            for ring in req.rings:
+                self.ledger.release(ring)
         req.shared = 0
         self._running_changed()
 
     def _own_final(self, req: Request) -> int:
         """The weight a request reserves for itself: its final length less the cached blocks it holds."""
-        return self.weight.seq(req.reserved_total) - req.shared * self.weight.block_size
+        return self.weight.own(req.reserved_total, req.shared)
 
     def _finish_of(self, request_id: str) -> int:
         return self._entries[request_id].finish
@@ -109,16 +116,17 @@ class Accounting:
         shared = req.shared * self.weight.block_size  # cached blocks are charged apart (prefix.py)
         offset, final = req.context_len - self.step - shared, req.reserved_total - shared
         if rest <= 0:
-            return Entry(self.step + remaining, offset, final, True, req.fixed_len)
+            return Entry(self.step + remaining, offset, final, True, req.fixed_len, shared)
         cap = self.config.max_prefill_weight
         delay = -(-(ahead + rest) // cap)  # FIFO: every later step gives earlier prompts the full cap
-        return Entry(self.step + delay + remaining, offset, final, False, req.fixed_len)
+        return Entry(self.step + delay + remaining, offset, final, False, req.fixed_len, shared)
 
     def _decoding_entry(self, req: Request) -> Entry:
         """A decoding request's entry: the same at every step (absolute steps) until its reservation changes."""
-        inp = req.input_len - req.shared * self.weight.block_size
+        shared = req.shared * self.weight.block_size
+        inp = req.input_len - shared
         gen, res, step = req.generated, req.reserved_new, self.step
-        return Entry(step + res - gen, inp + gen - step, inp + res, True, req.fixed_len)
+        return Entry(step + res - gen, inp + gen - step, inp + res, True, req.fixed_len, shared)
 
     def _set_entry(self, request_id: str, entry: Entry | None) -> None:
         """Record a running request's entry (None: it left); the profile takes the change in when next used.
@@ -180,7 +188,7 @@ class Accounting:
         ledger = self.ledger
         if ledger is None:
             return
-        ledger.grow(req.block_table, tokens)
+        self._grow(req, tokens)
         full = min(len(req.prefix), tokens // ledger.block_size)
         first = i = req.shared
         while i < full and ledger.register(req.block_table[i], req.prefix[i]):
@@ -190,6 +198,20 @@ class Accounting:
             req.shared = i
             self._sync_shared(self.shared.join(req.id, req.prefix[first:i], self._finish_of))
             self._running_changed()
+
+    def _grow(self, req: Request, tokens: int) -> None:
+        """Pages for `tokens` tokens of `req`: its full kind's blocks and its rings' units."""
+        ledger = self.ledger
+        w = self.weight
+        if w.full_pages:
+            ledger.grow(req.block_table, tokens)  # type: ignore[union-attr]
+        if w.windows:
+            rings = req.rings
+            if not rings:
+                rings.extend([] for _ in w.windows)
+            for ring, (pages, units) in zip(rings, w.windows, strict=True):
+                if len(ring) < units * pages:
+                    ledger.grow_ring(ring, tokens, pages, units)  # type: ignore[union-attr]
 
     def _lookup(self, req: Request) -> int:
         """A waiting request's prompt blocks found in the cache: they become its first blocks, and its
@@ -224,7 +246,8 @@ class Accounting:
         b = self.weight.block_size
         for rid in request_ids:
             n = self.shared.anchored.get(rid, 0)
-            self._set_shared_entry(rid, Entry(self._finish_of(rid), 0, n * b, False) if n else None)
+            # extra = -final: the cached blocks are full-kind blocks, no window kind holds them
+            self._set_shared_entry(rid, Entry(self._finish_of(rid), 0, n * b, False, 0, -n * b) if n else None)
 
     def check_memory(self) -> None:
         """Invariants (tests): the ledger agrees with the block tables, each cached block held is
@@ -233,12 +256,15 @@ class Accounting:
             return
         self._get_profile()
         running = list(self.running.values())
-        self.ledger.check([r.block_table for r in running])
+        self.ledger.check([r.block_table for r in running] + [ring for r in running for ring in r.rings])
         self.shared.check(self._finish_of)
         b = self.ledger.block_size
         assert self.ledger.used * b <= self.batch_weight(), "blocks held beyond the batch weight"
         for r in running:
-            assert len(r.block_table) * b >= r.prefilled, f"{r.id}: KV beyond its blocks"
+            if self.weight.full_pages:
+                assert len(r.block_table) * b >= r.prefilled, f"{r.id}: KV beyond its blocks"
+            for ring, (pages, units) in zip(r.rings, self.weight.windows, strict=True):
+                assert len(ring) == min(-(-r.prefilled // b), units) * pages, f"{r.id}: ring of the wrong size"
             assert len(self.shared.keys.get(r.id, ())) == r.shared, f"{r.id}: cached blocks miscounted"
 
     # ----- predictive mode: reservations that grow, and preemption ------------------------------------
@@ -250,9 +276,9 @@ class Accounting:
         reservations are estimates, and most running requests finish well inside theirs."""
         for req in self.running.values():
             if req.decoding and req.generated >= req.reserved_new:
-                old = self.weight.seq(req.reserved_total)
+                old = self._own_final(req)
                 req.reserved_new = self.reservations.reserve(req)
-                self._committed += self.weight.seq(req.reserved_total) - old
+                self._committed += self._own_final(req) - old
                 self.reservations.track(req)
                 self._set_entry(req.id, self._decoding_entry(req))
                 self._running_changed()

@@ -80,7 +80,7 @@ class Batcher(Accounting):
     def __init__(self, config: BatcherConfig) -> None:
         self.config = cfg = config.resolved()
         self.budget: int = cfg.max_batch_weight  # type: ignore[assignment]
-        self.weight = weight_model(cfg.weight_model, cfg.block_size)
+        self.weight = weight_model(cfg.weight_model, cfg.block_size, cfg.kinds)
         self.estimator = (
             OutputLengthEstimator(cfg.predictive_margin, cfg.predictive_min_samples, cfg.predictive_window)
             if cfg.mode == "predictive"
@@ -236,8 +236,8 @@ class Batcher(Accounting):
                 if req.generated >= req.max_new_tokens:
                     raise RuntimeError(f"request {req.id} reached max_new_tokens but was not finished")
                 plan.decode.append(req)
-                if ledger is not None and req.prefilled >= len(req.block_table) * span:
-                    ledger.grow(req.block_table, req.prefilled + 1)
+                if ledger is not None and (req.prefilled >= len(req.block_table) * span or self.weight.windows):
+                    self._grow(req, req.prefilled + 1)
                 continue
             n = req.prefill_left
             if cap:

@@ -88,6 +88,12 @@ class BlockLedger:
         for _ in range(-(-tokens // self.block_size) - len(table)):
             table.append(self._take())
 
+    def grow_ring(self, ring: list[int], tokens: int, pages: int, units: int) -> None:
+        """Give a window kind's ring the units (of `pages` pages) for `tokens` tokens, at most `units`."""
+        want = min(-(-tokens // self.block_size), units) * pages
+        for _ in range(want - len(ring)):
+            ring.append(self._take())
+
     def _take(self) -> int:
         if self._free:
             b = self._free.pop()
@@ -111,8 +117,8 @@ class BlockLedger:
         return True
 
     def release(self, table: list[int]) -> None:
-        """Drop `table`'s references. Its last blocks are released first, so they are evicted first:
-        a prefix's first blocks are the most shared and stay cached longest."""
+        """Drop `table`'s references (a block table, or a ring). Its last blocks are released first, so
+        they are evicted first: a prefix's first blocks are the most shared and stay cached longest."""
         for b in reversed(table):
             self._ref[b] -= 1
             if self._ref[b] == 0:

@@ -40,6 +40,10 @@ class BatcherConfig:
         and let later requests with the same prefix reuse them (token model; requests carry the keys).
     max_preemptions: a request preempted this many times is readmitted with its worst case reserved
         and is not preempted again while others can be.
+    kinds: the token model's attention kinds (batcher/weight.py): (pages per block, ring blocks) each,
+        a full kind (ring 0) first. The default, one page per block, is a model of full layers only;
+        sliding-window layers keep a ring of blocks, so a request's weight stops growing with them.
+        Prefix caching needs a full kind (the cached blocks are its blocks).
     """
 
     max_batch_weight: int | None = None
@@ -60,6 +64,7 @@ class BatcherConfig:
     prefix_caching: bool = False
     priority_headroom: float = 0.0
     headroom_priority: int = 5
+    kinds: tuple[tuple[int, int], ...] = ((1, 0),)
 
     def resolved(self) -> BatcherConfig:
         """Fill in max_batch_weight and check that one maximal request fits; raises ConfigError."""
@@ -82,7 +87,26 @@ class BatcherConfig:
             raise ConfigError(f"max_preemptions must be >= 0 (got {cfg.max_preemptions})")
         if not 0.0 <= cfg.predictive_margin <= 10.0:
             raise ConfigError(f"predictive_margin must be in [0, 10] standard deviations (got {cfg.predictive_margin})")
-        one = _round_up(cfg.max_total_tokens, cfg.block_size if cfg.weight_model == "token" else 1)
+        kinds = cfg.kinds
+        if (
+            not kinds
+            or any(p < 1 or r < 0 for p, r in kinds)
+            or any(r == 0 for _p, r in kinds[1:])
+            or (kinds[0][1] == 0 and kinds[0][0] != 1)
+        ):
+            raise ConfigError(
+                f"kinds must be (pages >= 1, ring >= 0) pairs, a full kind (one page, ring 0) first (got {kinds})"
+            )
+        if cfg.weight_model != "token" and cfg.kinds != ((1, 0),):
+            raise ConfigError("kinds (attention kinds) apply to the token weight model only")
+        if cfg.prefix_caching and cfg.kinds[0][1] != 0:
+            cfg = replace(cfg, prefix_caching=False)  # no full layer: no block outlives a window to be reused
+        if cfg.weight_model == "token":
+            from .weight import TokenWeight
+
+            one = TokenWeight(cfg.block_size, cfg.kinds).seq(cfg.max_total_tokens)
+        else:
+            one = cfg.max_total_tokens
         if cfg.max_batch_weight is None:
             if cfg.max_batch_size <= 0:
                 raise ConfigError(
@@ -94,11 +118,13 @@ class BatcherConfig:
             raise ConfigError(
                 f"max_batch_weight={cfg.max_batch_weight} is below the weight of one max-length request "
                 f"({one} = max_total_tokens {cfg.max_total_tokens}"
-                + (f" rounded up to block_size {cfg.block_size}" if one != cfg.max_total_tokens else "")
+                + (
+                    f" rounded up to block_size {cfg.block_size}"
+                    if one != cfg.max_total_tokens and cfg.kinds == ((1, 0),)
+                    else f" in pages of block_size {cfg.block_size} over attention kinds {cfg.kinds}"
+                    if one != cfg.max_total_tokens
+                    else ""
+                )
                 + "): raise max_batch_weight or lower max_total_tokens"
             )
         return cfg
-
-
-def _round_up(n: int, block: int) -> int:
-    return -(-n // block) * block

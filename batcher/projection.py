@@ -28,6 +28,9 @@ class Entry(NamedTuple):
     because its growth starts only when its prompt is fully prefilled.
     fixed: the part of the weight padded on its own (an encoder-decoder's encoder states): the padded
     model pads it to the longest fixed part and the rest to the longest rest. Included in offset/final.
+    extra: with attention kinds (HybridProfile), tokens its window kinds hold beyond `offset`/`final`,
+    which count its full kind's: the cached prefix blocks it shares, charged to their anchor. A
+    constant entry of cached blocks (an anchor's charge) has extra = -final: no window holds any of it.
     """
 
     finish: int
@@ -35,6 +38,7 @@ class Entry(NamedTuple):
     final: int
     growing: bool = True
     fixed: int = 0
+    extra: int = 0
 
 
 def ceil_to(n: int, block: int) -> int:
@@ -106,7 +110,7 @@ class TokenProfile:
         else:
             i = bisect_right(self._const_finish, e.finish)
             self._const_finish.insert(i, e.finish)
-            self._const_blocks.insert(i, -(-e.final // self.block))
+            self._const_blocks.insert(i, self._const_of(e))
         points = self.points
         j = bisect_left(points, e.finish)
         if j < len(points) and points[j] == e.finish:
@@ -122,8 +126,8 @@ class TokenProfile:
         if e.growing:
             fin, values, value = self._grow_finish, self._grow_offset, e.offset
         else:
-            fin, values, value = self._const_finish, self._const_blocks, -(-e.final // self.block)
-        i = values.index(value, bisect_left(fin, e.finish), bisect_right(fin, e.finish))
+            fin, values, value = self._const_finish, self._const_blocks, self._const_of(e)
+        i = self._index_of(e, fin, values, value)
         del fin[i], values[i]
         j = bisect_left(self.points, e.finish)
         self._shift(e, j + 1, -1)
@@ -131,11 +135,18 @@ class TokenProfile:
             del self.points[j], self._blocks[j]
         self._peak = None
 
+    def _index_of(self, e: Entry, fin: list[int], values: list[int], value: int) -> int:
+        return values.index(value, bisect_left(fin, e.finish), bisect_right(fin, e.finish))
+
+    def _const_of(self, e: Entry) -> int:
+        """Blocks of an entry counted at its final weight (not growing)."""
+        return -(-e.final // self.block)
+
     def _shift(self, e: Entry, j: int, sign: int) -> None:
         """Add (sign 1) or take away (-1) `e`'s blocks at the first j points, all of which it lives through."""
         blocks, b = self._blocks, self.block
         if not e.growing:
-            w = sign * -(-e.final // b)
+            w = sign * self._const_of(e)
             blocks[:j] = [x + w for x in blocks[:j]]
             return
         c = e.offset + b - 1  # blocks held at step p: ceil((offset + p) / b) = (c + p) // b
@@ -173,9 +184,8 @@ class TokenProfile:
 
     def admits(self, c: Entry, budget: int) -> bool:
         """Would the weight stay within budget at every future step with `c` added?"""
-        b = self.block
-        cap = budget // b  # weights are whole blocks
-        own = -(-c.final // b)  # the candidate's blocks at its finish, its most
+        cap = budget // self.block  # weights are whole blocks
+        own = self._final_of(c)  # the candidate's blocks at its finish, its most
         peak = self._peak_blocks()
         if peak + own <= cap:
             return True
@@ -198,20 +208,19 @@ class TokenProfile:
         no running request holds (they load every step the candidate lives), and the others' last
         holders finish at the steps in `extended` (ascending), before the candidate: their blocks stay
         loaded from there until it finishes. Exact: one pass over the points it lives through."""
-        b = self.block
-        cap = budget // b
-        own_final = -(-c.final // b)
+        cap = budget // self.block
+        own_final = self._final_of(c)
         if self._peak_blocks() + own_final + new + len(extended) <= cap:
             return True
         points, blocks = self.points, self._blocks
         j = bisect_right(points, c.finish)
         if max(blocks[j:], default=0) > cap:
             return False
-        co, k = c.offset + b - 1, 0
+        k = 0
         for p, x in zip(points[:j], blocks[:j], strict=True):
             while k < len(extended) and extended[k] < p:
                 k += 1  # that block's last holder has finished by p: the candidate keeps it loaded
-            if x + ((co + p) // b if c.growing else own_final) + new + k > cap:
+            if x + (self._cand_at(c, p) if c.growing else own_final) + new + k > cap:
                 return False
         if j and points[j - 1] == c.finish:
             return True
@@ -225,8 +234,15 @@ class TokenProfile:
             return True
         if not c.growing:
             return False
-        b, co = self.block, c.offset + self.block - 1
-        return all(x + (co + p) // b <= cap for x, p in zip(blocks, self.points[:j], strict=True))
+        return all(x + self._cand_at(c, p) <= cap for x, p in zip(blocks, self.points[:j], strict=True))
+
+    def _final_of(self, c: Entry) -> int:
+        """A candidate's blocks at its finish (its most)."""
+        return -(-c.final // self.block)
+
+    def _cand_at(self, c: Entry, p: int) -> int:
+        """A growing candidate's blocks at step p."""
+        return -(-(c.offset + p) // self.block)
 
 
 class PaddedProfile:
@@ -331,3 +347,74 @@ def _suffix_max(values: list[int]) -> list[int]:
     out.reverse()
     out.append(0)
     return out
+
+
+class HybridProfile(TokenProfile):
+    """TokenProfile for a model with sliding-window layers (batcher/weight.py: kinds). A request holds
+    `full` pages per block of its full-kind tokens plus, per window kind, `pages` per block of its
+    context up to `ring` blocks: still non-decreasing until it finishes, so the finish points still hold
+    every peak and the loads stay exact. A capped growth has no closed sum over residues, so each entry's
+    blocks are evaluated at the points it lives through (still one pass, in place)."""
+
+    __slots__ = ("_full", "_grow_extra", "_windows")
+
+    def __init__(self, entries: Iterable[Entry] = (), block: int = 1, kinds: tuple[tuple[int, int], ...] = ()) -> None:
+        self._full = kinds[0][0] if kinds and kinds[0][1] == 0 else 0
+        self._windows = tuple((p, r) for p, r in kinds if r)
+        self._grow_extra: list[int] = []
+        super().__init__(entries, block)
+
+    def _at(self, tokens: int, extra: int) -> int:
+        """Blocks of a sequence whose full kind holds `tokens` and window kinds `tokens + extra`."""
+        b = self.block
+        n = self._full * -(-tokens // b)
+        w = -(-(tokens + extra) // b)
+        for pages, ring in self._windows:
+            n += pages * (w if w < ring else ring)
+        return n
+
+    def _const_of(self, e: Entry) -> int:
+        return self._at(e.final, e.extra)
+
+    def _final_of(self, c: Entry) -> int:
+        return self._at(c.final, c.extra)
+
+    def _cand_at(self, c: Entry, p: int) -> int:
+        return self._at(c.offset + p, c.extra)
+
+    def _loads_from_scratch(self, ents: list[Entry]) -> list[int]:
+        self._grow_extra = [e.extra for e in ents if e.growing]
+        self._const_blocks = [self._const_of(e) for e in ents if not e.growing]
+        return [self._load_blocks(p) for p in self.points]
+
+    def add(self, e: Entry) -> None:
+        if e.growing:
+            self._grow_extra.insert(bisect_right(self._grow_finish, e.finish), e.extra)
+        super().add(e)
+
+    def _index_of(self, e: Entry, fin: list[int], values: list[int], value: int) -> int:
+        lo, hi = bisect_left(fin, e.finish), bisect_right(fin, e.finish)
+        if not e.growing:
+            return values.index(value, lo, hi)
+        extras = self._grow_extra
+        i = next(k for k in range(lo, hi) if values[k] == value and extras[k] == e.extra)
+        del extras[i]
+        return i
+
+    def _shift(self, e: Entry, j: int, sign: int) -> None:
+        blocks = self._blocks
+        if not e.growing:
+            w = sign * self._const_of(e)
+            blocks[:j] = [x + w for x in blocks[:j]]
+            return
+        at, off, extra = self._at, e.offset, e.extra
+        if sign > 0:
+            blocks[:j] = [x + at(off + p, extra) for x, p in zip(blocks[:j], self.points[:j], strict=True)]
+        else:
+            blocks[:j] = [x - at(off + p, extra) for x, p in zip(blocks[:j], self.points[:j], strict=True)]
+
+    def _load_blocks(self, step: int) -> int:
+        i = bisect_left(self._grow_finish, step)
+        at = self._at
+        grow = sum(at(o + step, x) for o, x in zip(self._grow_offset[i:], self._grow_extra[i:], strict=True))
+        return grow + sum(self._const_blocks[bisect_left(self._const_finish, step) :])

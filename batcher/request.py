@@ -41,7 +41,9 @@ class Request:
     prefix: tuple[bytes, ...] = ()
     shared: int = 0
     cached: int = 0
-    block_table: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)  # its full kind's pages, one per block
+    # per window kind, its ring: `pages` pages per unit, logical block j in unit j mod ring (kv_cache.py)
+    rings: list[list[int]] = field(default_factory=list)
 
     @property
     def context_len(self) -> int:

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from weightq.engine.flash import available as flash_available
+from weightq.engine.attention.flash import available as flash_available
 
 from .device_greedy import attention_choices, greedy_phase
 from .device_report import DRY, ON_GPU, Report, say

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from weightq.engine.flash import available as flash_available
+from weightq.engine.attention.flash import available as flash_available
 
 from .device_models import build_random_llama, free_memory, load_reference, shape_text
 from .device_report import Report, Sizes, say

@@ -63,6 +63,9 @@ def choose_runner(config, requested: str = "auto") -> str:
     the paged runner that the model cannot honour raises ValueError naming the reason."""
     if requested not in ("auto", "paged", "padded"):
         raise ValueError(f"runner: must be auto, paged or padded (got {requested!r})")
+    from .attention.probe import check_state_space
+
+    check_state_space(config)
     why = None
     if getattr(config, "is_encoder_decoder", False):
         why = "it is an encoder-decoder model"

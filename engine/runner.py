@@ -12,16 +12,19 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from weightq.batcher import BlockLedger
+from weightq.batcher import BlockLedger, Request
 
-from .attention import DecodeGroup, PrefillChunk, StepMeta, step_context
-from .decode_kernel import compile_paged_decode
+from .attention import StepMeta, step_context
+from .attention.decode_kernel import compile_paged_decode
+from .attention.flash import add_varlen
 from .kv_cache import KVCache
+from .step_meta import MetaBuilder
 
 
 class HasTokens(Protocol):
     token_ids: list[int]
     block_table: list[int]
+    sched: Request  # the batcher's view: its rings, for a model with sliding-window layers
 
 
 @dataclass(slots=True)
@@ -82,9 +85,12 @@ class PagedMemory:
         pass
 
     def ensure(self, seq: HasTokens, tokens: int) -> None:
-        """The batcher gave `seq` its blocks when it planned the step."""
-        if tokens > len(seq.block_table) * self.cache.block_size:
+        """The batcher gave `seq` its blocks (and rings) when it planned the step."""
+        layout = self.cache.layout
+        if layout.has_full and tokens > len(seq.block_table) * self.cache.block_size:
             raise RuntimeError(f"no KV block for token {tokens - 1}: the batcher did not allocate it")
+        if layout.windows and len(seq.sched.rings) != len(layout.windows):
+            raise RuntimeError(f"no KV ring for token {tokens - 1}: the batcher did not allocate it")
 
     def release(self, seq: HasTokens) -> None:
         """The batcher took the blocks back when the request left it."""
@@ -119,9 +125,11 @@ class ModelRunner(PagedMemory):
         self._timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         cfg = getattr(model, "config", None)
         heads = getattr(cfg, "num_attention_heads", 0)
-        pool = cache.k[0]
+        k_pool, v_pool = cache.k[0], cache.v[0]
         self.decode_kernel = (
-            compile_paged_decode(heads, pool.shape[2], pool.shape[3], pool.dtype, device) if compiled else None
+            compile_paged_decode(heads, k_pool.shape[2], k_pool.shape[3], k_pool.dtype, device, v_pool.shape[3])
+            if compiled
+            else None
         )
         self._decode_fn = self.decode_kernel.fn if self.decode_kernel else None
         # Attention is an opaque op inside the compiled graph (attention.step_context); token counts are dynamic.
@@ -133,108 +141,54 @@ class ModelRunner(PagedMemory):
         self.backend = backend
         self.device = device
         self.model_s = 0.0  # time inside the model's forward (the rest of a step is overhead)
-        self._ar = torch.arange(4096)
+        ragged = self.decode_kernel is not None and self.decode_kernel.ragged
+        self._meta = MetaBuilder(cache.block_size, device, ragged, backend == "flash")
         # the last step's prompt positions whose logits were asked for (prompt log-probabilities):
         # (sequence, first position, logits [rows, vocab]); row i predicts token first + i + 1
         self.prompt_rows: list[tuple[HasTokens, int, torch.Tensor]] = []
         self._prompt_keep: list[tuple[HasTokens, int, int]] = []  # (seq, first position, rows)
 
-    def _arange(self, n: int) -> torch.Tensor:
-        if n > len(self._ar):
-            self._ar = torch.arange(max(n, 2 * len(self._ar)))
-        return self._ar[:n]
-
     def build(
         self, prefill: list[Work], decode: list[Work]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepMeta]:
         """Packed input ids, position ids, rows to keep, and the step metadata (prefill first)."""
-        bs = self.cache.block_size
         ids: list[int] = []
         pos: list[int] = []
-        slot_parts: list[torch.Tensor] = []
         keep: list[int] = []
-        chunks: list[PrefillChunk] = []
+        q_starts: list[int] = []
         extra: list[int] = []  # prompt positions whose logits are asked for, after the emitting rows
         self._prompt_keep = []
         for w in prefill:
             q_start = len(ids)
+            q_starts.append(q_start)
             ids.extend(w.seq.token_ids[w.start : w.start + w.n])
-            p = torch.arange(w.start, w.start + w.n)
             pos.extend(range(w.start, w.start + w.n))
-            k_len = w.start + w.n
-            bt = torch.tensor(w.seq.block_table[: -(-k_len // bs)], dtype=torch.long)
-            slot_parts.append(bt[p // bs] * bs + p % bs)
-            if w.start == 0:
-                chunks.append(PrefillChunk(q_start, w.n, k_len, None, None))
-            else:
-                mask = self._arange(k_len)[None, :] <= p[:, None]
-                chunks.append(PrefillChunk(q_start, w.n, k_len, bt.to(self.device), mask.to(self.device)))
             if w.emits:
                 keep.append(len(ids) - 1)
             if w.seq.params.prompt_logprobs is not None:  # every position but the sampling one
                 rows = w.n - 1 if w.emits else w.n
                 extra.extend(range(q_start, q_start + rows))
                 self._prompt_keep.append((w.seq, w.start, rows))
-        groups: list[DecodeGroup] = []
-        if decode:
-            first = len(ids)
-            dec_slots: list[int] = []
-            lens: list[int] = []
-            for w in decode:
-                p = w.start
-                bt = w.seq.block_table
-                ids.append(w.seq.token_ids[p])
-                pos.append(p)
-                dec_slots.append(bt[p // bs] * bs + p % bs)
-                lens.append(p + 1)
-            if self.backend != "flash":
-                ragged = self.decode_kernel is not None and self.decode_kernel.ragged
-                for rows in [list(range(len(lens)))] if ragged else _split_by_length(lens, bs):
-                    groups.append(self._decode_group(decode, rows, lens, first))
-            slot_parts.append(torch.tensor(dec_slots, dtype=torch.long))
-            keep.extend(range(first, first + len(decode)))
+        first = len(ids)
+        for w in decode:
+            ids.append(w.seq.token_ids[w.start])
+            pos.append(w.start)
+        keep.extend(range(first, first + len(decode)))
         keep.extend(extra)
-        slots = torch.cat(slot_parts).to(self.device)
-        meta = StepMeta(self.cache, slots, len(ids), groups, chunks, decode_kernel=self._decode_fn)
+        layout, meta_of = self.cache.layout, self._meta
+        kinds = []
+        for k, kind in enumerate(layout.kinds):
+            if kind.full:
+                kinds.append(meta_of.full(prefill, decode, q_starts, first))
+            else:
+                kinds.append(meta_of.window(kind, k - layout.has_full, prefill, decode, q_starts, first))
+        meta = StepMeta(self.cache, len(ids), kinds, layout.place, decode_kernel=self._decode_fn)
         if self.backend == "flash":
-            self._add_varlen(meta, prefill, decode)
+            add_varlen(meta, prefill, decode, self.cache.block_size, self.device)
         ids_t = torch.tensor(ids, device=self.device).unsqueeze(0)
         pos_t = torch.tensor(pos, device=self.device).unsqueeze(0)
         keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
         return ids_t, pos_t, keep_t, meta
-
-    def _decode_group(self, decode: list[Work], rows: list[int], lens: list[int], first: int) -> DecodeGroup:
-        """One batched attention call: the rows' blocks padded to the longest, masked past each length."""
-        bs = self.cache.block_size
-        row_lens = [lens[i] for i in rows]
-        nb = -(-max(row_lens) // bs)
-        flat: list[int] = []
-        for i in rows:
-            t = decode[i].seq.block_table
-            flat.extend(t[:nb] if len(t) >= nb else t + [0] * (nb - len(t)))
-        span = nb * bs
-        mask = None
-        lens_t = torch.tensor(row_lens)
-        if self.decode_kernel is None and any(n != span for n in row_lens):
-            mask = (self._arange(span)[None, :] < lens_t[:, None]).view(len(rows), 1, 1, span).to(self.device)
-        q_idx = torch.tensor([first + i for i in rows], device=self.device)
-        return DecodeGroup(q_idx, torch.tensor(flat, device=self.device), nb, mask, lens_t.to(self.device))
-
-    def _add_varlen(self, meta: StepMeta, prefill: list[Work], decode: list[Work]) -> None:
-        bs = self.cache.block_size
-        works = prefill + decode
-        q_lens = [w.n for w in works]
-        k_lens = [w.start + w.n for w in works]
-        nb = max(-(-k // bs) for k in k_lens)
-        table = [w.seq.block_table[:nb] + [0] * (nb - min(nb, len(w.seq.block_table))) for w in works]
-        cu_q, cu_k = [0], [0]
-        for q, k in zip(q_lens, k_lens, strict=True):
-            cu_q.append(cu_q[-1] + q)
-            cu_k.append(cu_k[-1] + k)
-        meta.cu_q = torch.tensor(cu_q, dtype=torch.int32, device=self.device)
-        meta.cu_k = torch.tensor(cu_k, dtype=torch.int32, device=self.device)
-        meta.max_q, meta.max_k = max(q_lens), max(k_lens)
-        meta.block_table = torch.tensor(table, dtype=torch.int32, device=self.device)
 
     @torch.inference_mode()
     def forward(self, prefill: list[Work], decode: list[Work]) -> torch.Tensor:
@@ -274,30 +228,3 @@ class ModelRunner(PagedMemory):
             self._timing = None
             end.synchronize()
             self.model_s += start.elapsed_time(end) / 1000
-
-
-def _split_by_length(lens: list[int], block: int, max_groups: int = 4) -> list[list[int]]:
-    """Group decode rows by length so that padding each row to its group's longest wastes little.
-
-    Rows are sorted by length; the costliest group is split at its best point while that saves at
-    least a fifth of its padded work (and it has rows to spare), up to `max_groups` attention calls.
-    """
-    order = sorted(range(len(lens)), key=lens.__getitem__)
-    blocks = [-(-lens[i] // block) for i in order]
-    groups = [(0, len(order))]  # half-open ranges into `order`
-    while len(groups) < max_groups:
-        best = None
-        for g, (lo, hi) in enumerate(groups):
-            if hi - lo < 8:
-                continue
-            whole = (hi - lo) * blocks[hi - 1]
-            for k in range(lo + 1, hi):
-                saving = whole - ((k - lo) * blocks[k - 1] + (hi - k) * blocks[hi - 1])
-                if saving >= 0.2 * whole and (best is None or saving > best[0]):
-                    best = (saving, g, k)
-        if best is None:
-            break
-        _, g, k = best
-        lo, hi = groups[g]
-        groups[g : g + 1] = [(lo, k), (k, hi)]
-    return [order[lo:hi] for lo, hi in groups]

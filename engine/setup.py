@@ -14,9 +14,10 @@ from weightq.batcher import Batcher, BatcherConfig, ConfigError
 from weightq.batcher.sim.cost import StepCost
 
 from .attention import register
+from .attention.flash import available as flash_available
+from .attention.probe import check_backend, probe
 from .config import EngineConfig
-from .flash import available as flash_available
-from .kv_cache import KVCache, derive_capacity
+from .kv_cache import KVCache, KVGeometry, KVLayout, derive_capacity
 from .models import LoadedModel, choose_runner, load_model, resolve_device
 from .padded import PaddedRunner, measure_padded
 from .params import DEFAULT_PRIORITY
@@ -124,24 +125,62 @@ def build(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
         return _build_padded(cfg, lm, max_total, max_input)
     if loaded is not None:
         lm.model.set_attn_implementation(attn_name)
-    block = cfg.block_size or (256 if backend == "flash" else 16)
+    backend, layout = _paged_layout(cfg, lm, backend, attn_name, max_total)
     weight = cfg.max_batch_weight
     if weight is None and cfg.max_batch_size:
-        weight = cfg.max_batch_size * -(-max_total // block) * block
-    blocks, why = derive_capacity(
-        lm.geometry,
-        block,
+        weight = cfg.max_batch_size * -(-max_total // layout.block_size) * layout.block_size
+    pages, why = derive_capacity(
+        layout,
         lm.device,
         max_batch_weight=weight,
         cpu_kv_bytes=cfg.cpu_kv_bytes,
         gpu_memory_fraction=cfg.gpu_memory_fraction,
     )
     log.info("KV cache: %s", why)
-    cache = KVCache(lm.geometry, blocks, block, lm.device)
+    cache = KVCache(layout, pages, lm.device)
     runner = ModelRunner(lm.model, cache, backend, lm.device, compiled=wants_compile(cfg.compile, lm.device, backend))
-    batcher = make_batcher(cfg, blocks * block, max_total, f"KV cache: {why}", block_size=block)
+    batcher = make_batcher(
+        cfg, pages * layout.block_size, max_total, f"KV cache: {why}", block_size=layout.block_size, layout=layout
+    )
     runner.ledger = batcher.ledger
     return EngineParts(backend, lm, runner, batcher, why, max_input)
+
+
+def _paged_layout(cfg: EngineConfig, lm: LoadedModel, backend: str, attn_name: str, max_total: int):
+    """Probe the model's attention calls (refusing what the paged runner cannot honour), pick the
+    backend that can serve them and lay their KV out (kv_cache.py). Returns (backend, layout)."""
+    try:
+        calls = probe(lm.model, attn_name, register_fn(backend))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    why_not = check_backend(calls, backend)
+    if why_not:
+        if cfg.attention == "flash":
+            raise ConfigError(f"attention=flash cannot serve this model: {why_not}; use attention=sdpa (or auto)")
+        log.info("flash-attn cannot serve this model (%s): the paged SDPA backend serves it", why_not)
+        backend = "sdpa"
+        register(backend)
+    c = calls[0]
+    lm.geometry = KVGeometry(len(calls), c.kv_heads, c.k_dim, lm.dtype, c.v_dim)
+    block = cfg.block_size or (256 if backend == "flash" else 16)
+    chunk = (cfg.max_prefill_weight or max_total) if backend == "flash" else 0
+    layout = KVLayout.build(lm.geometry, [c.window for c in calls], block, max_total, chunk)
+    if layout.windows:
+        log.info("attention kinds: %s", layout.describe())
+        if cfg.prefix_cache and not layout.has_full:
+            log.info("prefix cache off: every layer of this model has a sliding window (no block outlives it)")
+    return backend, layout
+
+
+def register_fn(backend: str):
+    """The attention function `register(backend)` puts under our name."""
+    if backend == "flash":
+        from .attention.flash import flash_paged_attention
+
+        return flash_paged_attention
+    from .attention import paged_attention
+
+    return paged_attention
 
 
 def wants_compile(setting: str, device: torch.device, backend: str) -> bool:
@@ -165,15 +204,18 @@ def _build_simulated(cfg: EngineConfig, lm: LoadedModel, max_total: int, max_inp
     if weight is None and cfg.max_batch_size:
         weight = cfg.max_batch_size * -(-max_total // block) * block
     cpu = torch.device("cpu")
+    # the pool is sized as the model's real KV would be (its geometry), then allocated one float per token
+    real = KVLayout.build(lm.geometry, [None] * lm.geometry.num_layers, block, max_total)
     blocks, why = derive_capacity(
-        lm.geometry, block, cpu, max_batch_weight=weight, cpu_kv_bytes=cfg.cpu_kv_bytes, gpu_memory_fraction=1.0
+        real, cpu, max_batch_weight=weight, cpu_kv_bytes=cfg.cpu_kv_bytes, gpu_memory_fraction=1.0
     )
     try:
         cost = StepCost.parse(cfg.sim_step_cost) if cfg.sim_step_cost else StepCost()
     except ValueError as e:
         raise ConfigError(f"sim_step_cost: {e}") from None
     vocab = int(lm.model.get_output_embeddings().weight.shape[0])
-    runner = SimulatedRunner(KVCache(SIMULATED_GEOMETRY, blocks, block, cpu), vocab, cost, avoid=lm.eos_token_ids)
+    layout = KVLayout.build(SIMULATED_GEOMETRY, [None], block, max_total)
+    runner = SimulatedRunner(KVCache(layout, blocks, cpu), vocab, cost, avoid=lm.eos_token_ids)
     lm.runner = "simulated"
     log.warning("RUNNER=simulated: a measuring tool, not a model (%s)", cost)
     batcher = make_batcher(cfg, blocks * block, max_total, f"simulated device; KV: {why}", block_size=block)
@@ -211,7 +253,9 @@ def _build_padded(cfg: EngineConfig, lm: LoadedModel, max_total: int, max_input:
     return EngineParts("padded", lm, runner, batcher, f"{weight} padded weight units ({why})", max_input)
 
 
-def make_batcher(cfg: EngineConfig, weight: int, max_total: int, why: str, *, block_size: int = 0) -> Batcher:
+def make_batcher(
+    cfg: EngineConfig, weight: int, max_total: int, why: str, *, block_size: int = 0, layout: KVLayout | None = None
+) -> Batcher:
     """The one place an EngineConfig becomes a BatcherConfig: the paged runner's token weight
     (`block_size` > 0; chunked prefill; mode "auto" is predictive) or the padded runner's (whole
     prompts; it cannot preempt, so always worst_case). A config that cannot serve one maximal
@@ -235,6 +279,7 @@ def make_batcher(cfg: EngineConfig, weight: int, max_total: int, why: str, *, bl
                 prefix_caching=paged and cfg.prefix_cache,
                 priority_headroom=cfg.priority_headroom,
                 headroom_priority=DEFAULT_PRIORITY,
+                kinds=layout.weight_kinds() if layout is not None else ((1, 0),),
             )
         )
     except ConfigError as e:

@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from weightq.engine.decode_kernel import compile_paged_decode, paged_decode
+from weightq.engine.attention import dense_attention
+from weightq.engine.attention.decode_kernel import compile_paged_decode, paged_decode
 from weightq.engine.setup import wants_compile
 
 from tests.reference import assert_greedy_equal, mixed_requests
@@ -91,6 +92,43 @@ def test_the_in_place_decode_kernels_equal_gather_and_sdpa():
         args, want = _decode_case(6, 2, 8, [1, 5, 16, 9])
         kernel = compile_paged_decode(6, 2, 8, torch.bfloat16, torch.device("cpu"))  # not float32: inductor's
         assert kernel.name == "inductor" and not kernel.ragged
+        torch.testing.assert_close(kernel.fn(*args), want)
+
+
+def _variant_case(heads, kv_heads, dim, dv, lens, starts, softcap, sinks, block=4, seed=0):
+    """Like _decode_case, with a window's first position per row, soft-capping, sinks and a V size of its own;
+    the reference is the eager path's dense_attention over each row's visible keys."""
+    g = torch.Generator().manual_seed(seed)
+    nb = -(-max(lens) // block)
+    blocks = len(lens) * nb + 3
+    k_pool = torch.randn(blocks, block, kv_heads, dim, generator=g)
+    v_pool = torch.randn(blocks, block, kv_heads, dv, generator=g)
+    table = torch.randperm(blocks, generator=g)[: len(lens) * nb].view(len(lens), nb)
+    q = torch.randn(len(lens), heads, dim, generator=g) * 3  # large scores: soft-capping matters
+    sink = torch.randn(heads, generator=g) if sinks else None
+    want = []
+    for b, (n, s) in enumerate(zip(lens, starts, strict=True)):
+        k = k_pool[table[b]].reshape(-1, kv_heads, dim)[s:n].transpose(0, 1)[None]
+        v = v_pool[table[b]].reshape(-1, kv_heads, dv)[s:n].transpose(0, 1)[None]
+        att = dense_attention(q[b][None, :, None], k, v, None, False, dim**-0.5, softcap, sink)
+        want.append(att[0, :, 0])
+    args = (q, k_pool, v_pool, table, torch.tensor(lens), dim**-0.5, torch.tensor(starts), softcap, sink)
+    return args, torch.stack(want)
+
+
+@pytest.mark.parametrize(
+    "dim,dv,softcap,sinks",
+    [(16, 16, None, False), (16, 16, 5.0, False), (16, 16, None, True), (32, 16, None, False), (16, 32, 2.0, True)],
+)
+def test_the_decode_kernels_honour_windows_softcap_sinks_and_v_sizes(dim, dv, softcap, sinks):
+    lens, starts = [1, 5, 16, 9, 12], [0, 2, 9, 0, 11]
+    args, want = _variant_case(6, 2, dim, dv, lens, starts, softcap, sinks, seed=dim + dv)
+    torch.testing.assert_close(paged_decode(*args), want)
+    kernel = compile_paged_decode(6, 2, dim, torch.float32, torch.device("cpu"), dv)
+    assert kernel.name == "cpp"
+    torch.testing.assert_close(kernel.fn(*args), want)
+    if COMPILING:
+        kernel = compile_paged_decode(6, 2, dim, torch.bfloat16, torch.device("cpu"), dv)
         torch.testing.assert_close(kernel.fn(*args), want)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from weightq.engine import Engine, EngineConfig
-from weightq.engine.flash import available as flash_available
+from weightq.engine.attention.flash import available as flash_available
 
 from tests.reference import assert_greedy_equal, mixed_requests
 
