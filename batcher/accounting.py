@@ -19,6 +19,11 @@ if TYPE_CHECKING:
     from .weight import PaddedWeight, TokenWeight
 
 
+def snap_key(key: bytes, kind: int, column: int) -> bytes:
+    """The cache key of a window kind's copy of the block `key` names (one page per column)."""
+    return key + bytes((kind, column))
+
+
 class Accounting:
     config: BatcherConfig
     weight: TokenWeight | PaddedWeight
@@ -39,6 +44,8 @@ class Accounting:
     REBUILD_AFTER: int
 
     _typical: int
+    _pinned: int
+    _windows_len: tuple[int, ...]
     _idle: bool
     _order: dict[str, tuple[int, float, int]]
     estimator: OutputLengthEstimator | None
@@ -215,13 +222,83 @@ class Accounting:
 
     def _lookup(self, req: Request) -> int:
         """A waiting request's prompt blocks found in the cache: they become its first blocks, and its
-        prefill starts after them (at least one token is always computed, for its logits)."""
+        prefill starts after them (at least one token is always computed, for its logits). With window
+        kinds, a hit at block h also needs each window's blocks before h (their KV, kept as copies when
+        they were written): the hit is the longest prefix that has them, and they are copied into the
+        request's ring before its first chunk (pinned until then)."""
         ledger = self.ledger
         if ledger is None or not ledger.caching or not req.prefix:
             return 0
         hits = ledger.hits(req.prefix, (req.context_len - 1) // ledger.block_size)
+        if hits and self.weight.windows:
+            hits = self._window_hits(req, hits)
         req.shared, req.prefilled = hits, hits * ledger.block_size
         return hits
+
+    def _window_hits(self, req: Request, hits: int) -> int:
+        """The longest hit of at most `hits` blocks whose windows' blocks are cached too; pins them."""
+        ledger, bs = self.ledger, self.weight.block_size
+        assert ledger is not None
+        for h in range(hits, 0, -1):
+            fill = []
+            for w, (pages, _ring) in enumerate(self.weight.windows):
+                first = max(0, h * bs - self._windows_len[w] + 1) // bs
+                for j in range(first, h):
+                    found = ledger.lookup([snap_key(req.prefix[j], w, g) for g in range(pages)])
+                    if found is None:
+                        break
+                    fill.append((w, j, found))
+                else:
+                    continue
+                break
+            else:
+                req.fill = fill
+                for _w, _j, found in fill:
+                    ledger.pin(found)
+                self._pinned += sum(len(f) for _w, _j, f in fill)
+                return h
+        return 0
+
+    def _unlookup(self, req: Request) -> None:
+        """A candidate was not admitted: forget its hit and unpin what it would have copied."""
+        req.shared = req.prefilled = 0
+        if req.fill:
+            self._unpin(req)
+
+    def _unpin(self, req: Request) -> None:
+        for _w, _j, found in req.fill:
+            self.ledger.settle(found, None)  # type: ignore[union-attr]
+            self._pinned -= len(found)
+        req.fill = []
+
+    def _take_snapshots(self, plan) -> None:
+        """Spare pages for copies of the window blocks this step's prompt chunks complete (registered
+        once written, see _settle): a later request with this prefix finds its windows cached too. Taken
+        last, from pages no running request needs; none taken when there are none to spare."""
+        ledger, bs = self.ledger, self.weight.block_size
+        assert ledger is not None
+        for req, n in plan.prefill:
+            start, end = req.prefilled, req.prefilled + n
+            for j in range(-(-start // bs), min(end // bs, len(req.prefix))):
+                for w, (pages, _ring) in enumerate(self.weight.windows):
+                    if ledger.lookup([snap_key(req.prefix[j], w, g) for g in range(pages)]) is not None:
+                        continue
+                    spare = ledger.spare(pages)
+                    if spare is None:
+                        return
+                    req.snaps.append((w, j, spare))
+
+    def _settle(self, plan) -> None:
+        """After the step: cache the window copies its chunks wrote, unpin what its hits copied."""
+        ledger = self.ledger
+        for req, _n in plan.prefill:
+            alive = self.running.get(req.id) is req
+            for w, j, spare in req.snaps:
+                keys = [snap_key(req.prefix[j], w, g) for g in range(len(spare))] if alive else None
+                ledger.settle(spare, keys)  # type: ignore[union-attr]
+            req.snaps = []
+            if req.fill:
+                self._unpin(req)
 
     def _fits_sharing(self, req: Request, chunk: int, ahead: int) -> bool:
         """fits() for a request that would hold cached blocks: exact, counting each block once."""

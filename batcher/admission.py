@@ -113,6 +113,9 @@ class Batcher(Accounting):
         )
         self.shared = SharedBlocks()
         self._shared_entries: dict[str, Entry] = {}  # each anchor's entry for the cached blocks charged to it
+        # prefix cache with window kinds: their windows (in tokens), and pages pinned this step for copies
+        self._windows_len = tuple(cfg.windows)
+        self._pinned = 0
 
     # ----- queue operations -------------------------------------------------------------------
     def check(self, req: Request) -> None:
@@ -162,6 +165,13 @@ class Batcher(Accounting):
             self._idle = False
         return req
 
+    def requeue(self, request_id: str) -> Request:
+        """Send a running request back to the queue, to be prefilled again (its KV cannot be trusted:
+        a failed step that may have written part of a window's ring)."""
+        req = self.running[request_id]
+        self._preempt(req)
+        return req
+
     def finish(self, request_id: str) -> Request:
         """A running request ended (EOS, stop sequence or length); its blocks are free."""
         req = self.running.pop(request_id)
@@ -188,11 +198,15 @@ class Batcher(Accounting):
             self._admit(now, plan, prefill_state)
         elif self.waiting:
             self.stats.idle_passes += 1
+        if self.weight.windows and self.ledger is not None and self.ledger.caching and plan.prefill:
+            self._take_snapshots(plan)
         return plan
 
     def complete(self, plan: StepPlan) -> list[Request]:
         """Advance every request of the plan by its step; returns those that emitted a token."""
         self.step += 1
+        if self.weight.windows and self.ledger is not None and self.ledger.caching:
+            self._settle(plan)
         emitted: list[Request] = []
         running = self.running
         for req, n in plan.prefill:
@@ -231,13 +245,21 @@ class Batcher(Accounting):
         count = longest = total = 0
         ledger = self.ledger
         span = ledger.block_size if ledger is not None else 0
+        uniform = self.weight.name != "token" or self.weight.uniform
+        full = uniform or self.weight.full_pages
         for req in self.running.values():
             if req.decoding:
                 if req.generated >= req.max_new_tokens:
                     raise RuntimeError(f"request {req.id} reached max_new_tokens but was not finished")
                 plan.decode.append(req)
-                if ledger is not None and (req.prefilled >= len(req.block_table) * span or self.weight.windows):
-                    self._grow(req, req.prefilled + 1)
+                # its next token starts a block (a model without full layers has no block table to tell)
+                if ledger is not None and (
+                    req.prefilled >= len(req.block_table) * span if full else req.prefilled % span == 0
+                ):
+                    if uniform:
+                        ledger.grow(req.block_table, req.prefilled + 1)
+                    else:
+                        self._grow(req, req.prefilled + 1)
                 continue
             n = req.prefill_left
             if cap:
@@ -311,10 +333,10 @@ class Batcher(Accounting):
             p = cand.prefill_left
             chunk = self._prefill_chunk(p, count, longest, total)
             if chunk == 0:
-                cand.shared = cand.prefilled = 0
+                self._unlookup(cand)
                 break  # this step's prefill budget is spent
             if chunk is None:  # a prompt over the cap runs only when prefilled alone
-                cand.shared = cand.prefilled = 0
+                self._unlookup(cand)
                 if first_blocked is None:
                     first_blocked, first_idx = cand, idx
                 continue
@@ -327,7 +349,8 @@ class Batcher(Accounting):
                     budget -= res.margin(res.variance(cand))
                 if -order[cand.id][0] < cfg.headroom_priority:
                     budget -= self._headroom
-            self._admit_budget = budget
+            # pages pinned this step for a hit's copies are held until the step runs: room no one else has
+            self._admit_budget = budget - self._pinned * self.weight.block_size
             ctx, res, fix = cand.context_len, cand.reserved_new, cand.fixed_len
             # A candidate at least as long in context, reservation and fixed part (and in the rest) as
             # one refused in this pass is refused too (it weighs at least as much at every step).
@@ -336,7 +359,7 @@ class Batcher(Accounting):
                 c <= ctx and r <= res and f <= fix and c - f <= ctx - fix and b >= budget for c, r, f, b in refused
             )
             if dominated or not self.fits(cand, chunk, ahead):
-                cand.shared = cand.prefilled = 0
+                self._unlookup(cand)
                 if not dominated and not hits and len(refused) < 16:
                     refused.append((ctx, res, fix, budget))
                 if first_blocked is None:

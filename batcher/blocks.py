@@ -74,6 +74,37 @@ class BlockLedger:
     def is_held(self, key: bytes) -> bool:
         return self._ref[self._block_of[key]] > 0
 
+    def lookup(self, keys: Sequence[bytes]) -> list[int] | None:
+        """The pages of `keys` if every one is cached (held or idle), else None."""
+        pages = []
+        for key in keys:
+            b = self._block_of.get(key)
+            if b is None:
+                return None
+            pages.append(b)
+        return pages
+
+    def pin(self, pages: Sequence[int]) -> None:
+        """Take a reference on cached pages for one step (a copy reads them): they cannot be evicted."""
+        for b in pages:
+            if self._ref[b] == 0:
+                del self._idle[self._key_of[b]]
+            self._ref[b] += 1
+
+    def spare(self, n: int) -> list[int] | None:
+        """`n` pages from the free list or the oldest idle ones, or None when there are not that many:
+        extra pages for one step (copies of a window's blocks for the prefix cache), never needed."""
+        if len(self._free) + len(self._idle) < n:
+            return None
+        return [self._take() for _ in range(n)]
+
+    def settle(self, pages: Sequence[int], keys: Sequence[bytes] | None) -> None:
+        """Drop one step's reference on `pages`; with `keys`, register them first (their KV is written)."""
+        if keys is not None:
+            for b, key in zip(pages, keys, strict=True):
+                self.register(b, key)  # False: another copy is cached already, this one is freed
+        self.release(list(pages))
+
     def hold(self, table: list[int], keys: Sequence[bytes]) -> None:
         """Append the cached blocks of `keys` (all present: `hits`) to `table`, taking a reference."""
         for key in keys:

@@ -44,6 +44,7 @@ class BatcherConfig:
         a full kind (ring 0) first. The default, one page per block, is a model of full layers only;
         sliding-window layers keep a ring of blocks, so a request's weight stops growing with them.
         Prefix caching needs a full kind (the cached blocks are its blocks).
+    windows: the window of each window kind, in tokens (a prefix-cache hit needs its last window).
     """
 
     max_batch_weight: int | None = None
@@ -65,6 +66,7 @@ class BatcherConfig:
     priority_headroom: float = 0.0
     headroom_priority: int = 5
     kinds: tuple[tuple[int, int], ...] = ((1, 0),)
+    windows: tuple[int, ...] = ()
 
     def resolved(self) -> BatcherConfig:
         """Fill in max_batch_weight and check that one maximal request fits; raises ConfigError."""
@@ -97,6 +99,8 @@ class BatcherConfig:
             raise ConfigError(
                 f"kinds must be (pages >= 1, ring >= 0) pairs, a full kind (one page, ring 0) first (got {kinds})"
             )
+        if len(cfg.windows) != sum(1 for _p, r in kinds if r) or any(w < 1 for w in cfg.windows):
+            raise ConfigError(f"windows must give one window (>= 1 token) per window kind (got {cfg.windows})")
         if cfg.weight_model != "token" and cfg.kinds != ((1, 0),):
             raise ConfigError("kinds (attention kinds) apply to the token weight model only")
         if cfg.prefix_caching and cfg.kinds[0][1] != 0:

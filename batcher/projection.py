@@ -401,20 +401,42 @@ class HybridProfile(TokenProfile):
         del extras[i]
         return i
 
+    def _series(self, offset: int, extra: int, points: list[int]) -> list[int]:
+        """A growing sequence's blocks at each of `points` (the hot loop of updates and decisions)."""
+        b, full = self.block, self._full
+        co, cw = offset + b - 1, offset + extra + b - 1
+        if len(self._windows) == 1:
+            (pages, ring), cap = self._windows[0], self._windows[0][1] * b - cw
+            return [full * ((co + p) // b) + pages * ((cw + p) // b if p < cap else ring) for p in points]
+        return [self._at(offset + p, extra) for p in points]
+
     def _shift(self, e: Entry, j: int, sign: int) -> None:
         blocks = self._blocks
         if not e.growing:
             w = sign * self._const_of(e)
             blocks[:j] = [x + w for x in blocks[:j]]
             return
-        at, off, extra = self._at, e.offset, e.extra
+        series = self._series(e.offset, e.extra, self.points[:j])
         if sign > 0:
-            blocks[:j] = [x + at(off + p, extra) for x, p in zip(blocks[:j], self.points[:j], strict=True)]
+            blocks[:j] = [x + y for x, y in zip(blocks[:j], series, strict=True)]
         else:
-            blocks[:j] = [x - at(off + p, extra) for x, p in zip(blocks[:j], self.points[:j], strict=True)]
+            blocks[:j] = [x - y for x, y in zip(blocks[:j], series, strict=True)]
+
+    def _fits_while_alive(self, c: Entry, j: int, cap: int, own: int) -> bool:
+        blocks = self._blocks[:j]
+        if max(blocks, default=0) + own <= cap:
+            return True
+        if not c.growing:
+            return False
+        series = self._series(c.offset, c.extra, self.points[:j])
+        return all(x + y <= cap for x, y in zip(blocks, series, strict=True))
 
     def _load_blocks(self, step: int) -> int:
         i = bisect_left(self._grow_finish, step)
-        at = self._at
-        grow = sum(at(o + step, x) for o, x in zip(self._grow_offset[i:], self._grow_extra[i:], strict=True))
+        b, full = self.block, self._full
+        offsets, extras = self._grow_offset[i:], self._grow_extra[i:]
+        grow = full * sum((o + step + b - 1) // b for o in offsets)
+        for pages, ring in self._windows:
+            cw = step + b - 1
+            grow += pages * sum(min((o + x + cw) // b, ring) for o, x in zip(offsets, extras, strict=True))
         return grow + sum(self._const_blocks[bisect_left(self._const_finish, step) :])

@@ -72,6 +72,8 @@ class TokenWeight:
 class PaddedWeight:
     name = "padded"
     block_size = 1
+    windows: tuple[tuple[int, int], ...] = ()  # no attention kinds: a padded row is the model's own cache
+    uniform = True
 
     def seq(self, tokens: int) -> int:
         return tokens

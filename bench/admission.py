@@ -11,7 +11,9 @@ idle_step_us:     schedule() on a step with nothing new to decide (the idle shor
 full_pass_us:     schedule() after a change, scanning the waiting requests (up to jump_scan past the first
                   blocked one) and admitting none.
 All are medians in microseconds. The top level is block size 16 with 256 running; `block_size_1` is
-the same with block size 1, and `running_1024` both again with 1,024 running.
+the same with block size 1, `window_groups` the same with a Gemma-3-shaped model's attention kinds
+(5 window layers of 512 positions per full layer: batcher/weight.py), and `running_1024` all again
+with 1,024 running.
 """
 
 from __future__ import annotations
@@ -27,15 +29,24 @@ from weightq.batcher import Batcher, BatcherConfig, Request
 RUNNING, WAITING = 256, 1024
 
 
-def build(block_size: int, running: int = RUNNING, seed: int = 0) -> tuple[Batcher, random.Random]:
+# Gemma 3's layout: one page per block for the full layer, 5 for the window layers, a ring of
+# ceil(511 / 16) + 1 = 33 blocks (engine/kv_cache.py).
+GEMMA3_KINDS = ((1, 0), (5, 33))
+
+
+def build(
+    block_size: int, running: int = RUNNING, seed: int = 0, kinds: tuple = ((1, 0),)
+) -> tuple[Batcher, random.Random]:
     rng = random.Random(seed)
     b = Batcher(
         BatcherConfig(
-            max_batch_weight=running * 1024,
+            max_batch_weight=running * 1024 * (6 if len(kinds) > 1 else 1),
             max_total_tokens=2048,
             block_size=block_size,
             jump_window_s=1e9,
             max_wait_s=1e9,
+            kinds=kinds,
+            windows=(512,) * (len(kinds) - 1),
         )
     )
     for i in range(running):
@@ -45,7 +56,7 @@ def build(block_size: int, running: int = RUNNING, seed: int = 0) -> tuple[Batch
         b.complete(plan)
     for _ in range(rng.randint(50, 100)):  # spread the running requests' progress
         b.complete(b.schedule(0.0))
-    b.budget = b.projected_peak() + 100  # a full batch: only small requests could still join
+    b.budget = b._admit_budget = b.projected_peak() + 100  # a full batch: only small requests could still join
     for i in range(running * WAITING // RUNNING):  # candidates that cannot fit: admission scans and refuses them
         b.submit(Request(f"wait{i}", 2000, 48, arrival_s=1.0))
     return b, rng
@@ -87,8 +98,8 @@ def after_change(b: Batcher, rng: random.Random, candidate: Request, repeats: in
     return median_us(change_then_decide, 2 * repeats)
 
 
-def measure(block_size: int, repeats: int, running: int = RUNNING) -> dict:
-    b, rng = build(block_size, running)
+def measure(block_size: int, repeats: int, running: int = RUNNING, kinds: tuple = ((1, 0),)) -> dict:
+    b, rng = build(block_size, running, kinds=kinds)
     small = Request("small", 8, 8)
     small.reserved_new = 8
     committed = b._committed
@@ -121,6 +132,9 @@ def measure(block_size: int, repeats: int, running: int = RUNNING) -> dict:
 def report(block_size: int, repeats: int, running: int) -> dict:
     out = {"running": running, "waiting": running * WAITING // RUNNING, **measure(block_size, repeats, running)}
     out["block_size_1"] = {k: v for k, v in measure(1, repeats, running).items() if k != "block_size"}
+    out["window_groups"] = {
+        k: v for k, v in measure(block_size, repeats, running, GEMMA3_KINDS).items() if k != "block_size"
+    }
     return out
 
 

@@ -338,6 +338,12 @@ class Engine(StepOutputs, EngineStats):
         unwritten: set[int] = set()  # blocks whose KV a failed request was to write this step
         ledger, span = self.batcher.ledger, self.batcher.weight.block_size
         for work, alone in [(w, ([w], [])) for w in prefill] + [(w, ([], [w])) for w in decode]:
+            if alone[0] and work.start and work.seq.sched.rings:
+                # its chunk's last window may be in part of the ring already, over the prefix it reads:
+                # prefilled again from the start (or the prefix cache), not rerun
+                self.batcher.requeue(work.seq.id)
+                self.runner.release(work.seq)
+                continue
             reads = work.seq.block_table[: -(-work.start // span)]
             if unwritten.intersection(reads):
                 self._finish(

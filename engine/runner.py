@@ -194,6 +194,7 @@ class ModelRunner(PagedMemory):
     def forward(self, prefill: list[Work], decode: list[Work]) -> torch.Tensor:
         """Logits [rows, vocab] in float32 for the emitting works: prefill ones first, then decodes."""
         ids, pos, keep, meta = self.build(prefill, decode)
+        self._fill_rings(prefill)
         t0 = time.perf_counter()
         if self.asynchronous:
             start = torch.cuda.Event(enable_timing=True)
@@ -221,6 +222,20 @@ class ModelRunner(PagedMemory):
         else:
             self.model_s += time.perf_counter() - t0
         return logits
+
+    def _fill_rings(self, prefill: list[Work]) -> None:
+        """A prefix-cache hit's window blocks: copied from the cache into the request's ring first."""
+        src: list[int] = []
+        dst: list[int] = []
+        windows = self.cache.layout.windows
+        for w in prefill:
+            sched = w.seq.sched
+            for kind_index, j, pages in sched.fill:
+                kind = windows[kind_index]
+                unit = (j % kind.ring) * kind.pages
+                src.extend(pages)
+                dst.extend(sched.rings[kind_index][unit : unit + kind.pages])
+        self.cache.copy_pages(src, dst)
 
     def synchronize(self) -> None:
         if self._timing is not None:

@@ -280,6 +280,7 @@ def make_batcher(
                 priority_headroom=cfg.priority_headroom,
                 headroom_priority=DEFAULT_PRIORITY,
                 kinds=layout.weight_kinds() if layout is not None else ((1, 0),),
+                windows=tuple(k.window for k in layout.windows) if layout is not None else (),  # type: ignore[misc]
             )
         )
     except ConfigError as e:

@@ -109,13 +109,20 @@ class MetaBuilder:
         chunks: list[PrefillChunk] = []
         for w, q_start in zip(prefill, q_starts, strict=True):
             ring, s, n = w.seq.sched.rings[ring_index], w.start, w.n
+            rows, slots = (early_rows, early) if self.flash else (late_rows, late)
+            for kind_index, j, spare in w.seq.sched.snaps:  # copies kept for the prefix cache
+                if kind_index == ring_index:
+                    rows.extend(range(q_start + j * bs - s, q_start + (j + 1) * bs - s))
+                    slots.extend([pg * bs + off for pg in spare] for off in range(bs))
             if self.flash:  # it writes before it attends: the whole chunk (its ring has room, flash.py)
                 early_rows.extend(range(q_start, q_start + n))
                 early.extend(slot_cols(ring, range(s, s + n)))
+            else:
+                keep = range(max(s, s + n - w_len + 1), s + n)  # the last window: what later steps read
+                late_rows.extend(q_start + p - s for p in keep)
+                late.extend(slot_cols(ring, keep))
+            if self.flash:
                 continue
-            keep = range(max(s, s + n - w_len + 1), s + n)  # the last window: what later steps read
-            late_rows.extend(q_start + p - s for p in keep)
-            late.extend(slot_cols(ring, keep))
             q_pos = torch.arange(s, s + n)
             lo_pos = max(0, s - w_len + 1)
             if s == 0:

@@ -1,64 +1,152 @@
-"""Other decoder families through the same paged attention: tiny random models built locally."""
+"""Every family the README claims, served by the engine and compared token for token with transformers'
+generate() (eager attention: the reference of every variant), windows smaller than the prompts, chunked
+prefill; prefix-cache hits across a window, preemption mid-prompt and mid-decode; and the models
+refused at load, with a message that says why."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GPT2Config,
-    MistralConfig,
-    Qwen2Config,
-    Qwen3Config,
-)
-from weightq.engine import Engine, EngineConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from weightq.batcher import ConfigError
+from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 
+from tests.families import FAMILIES, REFUSED, WINDOWED, build
 from tests.reference import assert_greedy_equal, mixed_requests
 
-SMALL = dict(
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    initializer_range=0.1,
-)
-FAMILIES = {
-    "gpt2": lambda v: GPT2Config(vocab_size=v, n_positions=512, n_embd=128, n_layer=2, n_head=4, initializer_range=0.1),
-    "mistral": lambda v: MistralConfig(vocab_size=v, sliding_window=None, **SMALL),
-    "qwen2": lambda v: Qwen2Config(vocab_size=v, **SMALL),
-    "qwen3": lambda v: Qwen3Config(vocab_size=v, head_dim=32, **SMALL),
-}
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_path):
+    return AutoTokenizer.from_pretrained(tiny_path)
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family_dir(request, tmp_path_factory, tiny_path):
-    tok = AutoTokenizer.from_pretrained(tiny_path)
-    config = FAMILIES[request.param](len(tok))
-    config.eos_token_id = tok.eos_token_id
-    torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_config(config)
-    out = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory, tokenizer):
+    """Built once per module, on demand."""
+    built: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in built:
+            built[name] = build(name, tmp_path_factory.mktemp(name), tokenizer)
+        return built[name]
+
+    return get
 
 
-def test_family_greedy_matches_generate(family_dir):
-    reference = AutoModelForCausalLM.from_pretrained(family_dir, attn_implementation="sdpa").eval()
-    engine = Engine(
-        EngineConfig(
-            model=str(family_dir),
-            device="cpu",
-            max_batch_weight=1024,
-            max_total_tokens=320,
-            max_prefill_weight=64,
-            check_invariants=True,
-        )
+def engine_for(path: str, **overrides) -> Engine:
+    cfg = dict(
+        model=path,
+        device="cpu",
+        max_batch_weight=1024,
+        max_total_tokens=320,
+        max_prefill_weight=64,  # prompts of up to 160 tokens come in chunks
+        check_invariants=True,  # every step: the ledger, the rings (window + one block), the budget
     )
-    reqs = mixed_requests(10, seed=3, max_prompt=200, max_new=60)
+    return Engine(EngineConfig(**(cfg | overrides)))
+
+
+def reference_of(path: str, runner: str = "paged"):
+    """Eager attention is transformers' reference of every variant; the padded runner runs the model's
+    own attention (SDPA where the model has it), which it must equal."""
+    attn = "eager" if runner == "paged" else None
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn).eval()
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_family_greedy_matches_generate(name, family_dirs):
+    path = family_dirs(name)
+    engine = engine_for(path)
+    assert engine.lm.runner == FAMILIES[name][1]
+    reqs = mixed_requests(8, seed=3, max_prompt=160, max_new=40)
     results = engine.generate(reqs)
-    assert_greedy_equal(reference, reqs, results)
-    assert engine.batcher.ledger.used == 0
+    assert all(r.error is None for r in results), [r.error for r in results]
+    assert_greedy_equal(reference_of(path, FAMILIES[name][1]), reqs, results)
+    if engine.batcher.ledger is not None:
+        assert engine.batcher.ledger.used == 0
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_prefix_cache_hits_across_a_window_stay_exact(name, family_dirs):
+    """Prompts sharing 150 tokens (three windows): later ones start from the cache, their windows' blocks
+    copied into their rings, and still equal generate()."""
+    path = family_dirs(name)
+    engine = engine_for(path, max_batch_weight=2048)
+    rng = random.Random(5)
+    shared = [rng.randrange(10, 1100) for _ in range(150)]
+    reference = reference_of(path)
+    for wave in range(2):
+        reqs = [
+            GenerationRequest(
+                f"w{wave}-{i}",
+                prompt_token_ids=shared[:n] + [rng.randrange(10, 1100) for _ in range(9)],
+                params=SamplingParams(max_new_tokens=rng.randint(5, 15)),
+            )
+            for i, n in enumerate([150, 97, 150] if wave else [150, 60])
+        ]
+        assert_greedy_equal(reference, reqs, engine.generate(reqs))
+    stats = engine.batcher.stats
+    assert stats.cached_tokens > 2 * 48, "no hit past a window"
+
+
+def test_window_rings_survive_preemption_mid_prompt_and_mid_decode(family_dirs):
+    """A request sent back to the queue (predictive mode's preemption, a failed step) while prefilling
+    in chunks, and another while decoding, are prefilled again (their rings rebuilt) and still equal
+    generate()."""
+    path = family_dirs("gemma3")
+    engine = engine_for(path)
+    rng = random.Random(9)
+    reqs = [
+        GenerationRequest(
+            f"p{i}",
+            prompt_token_ids=[rng.randrange(10, 1100) for _ in range(n)],
+            params=SamplingParams(max_new_tokens=30),
+        )
+        for i, n in enumerate([150, 120, 30])
+    ]
+    handles = [engine.submit(r) for r in reqs]
+    requeued = set()
+    while any(h.final is None for h in handles):
+        engine.step()
+        running = engine.batcher.running
+        mid_prompt = running.get("p0")
+        if "p0" not in requeued and mid_prompt is not None and 0 < mid_prompt.prefilled < 150:
+            engine.batcher.requeue("p0")
+            requeued.add("p0")
+        mid_decode = running.get("p2")
+        if "p2" not in requeued and mid_decode is not None and mid_decode.generated > 10:
+            engine.batcher.requeue("p2")
+            requeued.add("p2")
+    assert requeued == {"p0", "p2"}
+    assert_greedy_equal(reference_of(path), reqs, [h.final for h in handles])
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_models_the_runners_cannot_serve_are_refused_at_load(name, tmp_path, tokenizer):
+    _factory, says = REFUSED[name]
+    path = build(name, tmp_path / name, tokenizer, REFUSED)
+    with pytest.raises(ConfigError, match=says):
+        engine_for(path)
+
+
+def test_a_window_over_the_longest_context_is_full_attention(family_dirs):
+    """With max_total_tokens within the window, the window never hides a key: laid out as full layers
+    (no rings), prefix-cached as any model."""
+    engine = engine_for(family_dirs("mistral"), max_total_tokens=40)
+    assert not engine.runner.cache.layout.windows and engine.batcher.ledger.caching
+
+
+def test_the_window_layers_hold_their_window_plus_one_block(family_dirs):
+    engine = engine_for(family_dirs("gemma3"), block_size=16)
+    layout = engine.runner.cache.layout
+    (window,) = layout.windows
+    assert window.window == 48 and window.ring == 48 // 16 + 1 and len(window.layers) == 5
+    reqs = mixed_requests(4, seed=1, max_prompt=160, max_new=40)
+    most = 0
+    handles = [engine.submit(r) for r in reqs]
+    while any(h.final is None for h in handles):
+        engine.step()
+        most = max([most, *(len(r.rings[0]) for r in engine.batcher.running.values())])
+    assert most == window.ring * window.pages  # full rings, never more
+    torch.testing.assert_close(torch.tensor(0), torch.tensor(engine.batcher.ledger.used))

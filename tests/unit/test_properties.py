@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from weightq.batcher import Batcher, BatcherConfig, Entry, Request, weight_model
 from weightq.batcher.projection import ceil_to
+from weightq.batcher.weight import UNIFORM
 
 from tests.drive import drive
 
@@ -20,21 +21,43 @@ SETTINGS = settings(
 )
 
 
+# Attention kinds of the token model (batcher/weight.py): full layers only; one page per full block and
+# window kinds keeping rings; no full kind at all; a full kind and two windows of several pages each.
+KINDS = [UNIFORM, ((1, 0), (5, 3)), ((2, 2),), ((1, 0), (1, 2), (2, 5))]
+
+
 @st.composite
-def entries(draw, max_n=12, fixed=False):
+def entries(draw, max_n=12, fixed=False, shared=False):
+    """Projection entries; with `shared`, some hold cached prefix blocks (`extra`: the window kinds see
+    them, the full kind leaves them to an anchor) and some are anchors' charges (extra = -final)."""
     out = []
     for _ in range(draw(st.integers(0, max_n))):
         context = draw(st.integers(1, 60))
         remaining = draw(st.integers(1, 60))
         delay = draw(st.sampled_from([0, 0, 0, draw(st.integers(1, 5))]))
         fix = draw(st.integers(0, context)) if fixed else 0  # encoder-decoder rows: the encoder part
-        out.append(Entry(delay + remaining, context, context + remaining, delay == 0, fix))
+        kind = draw(st.sampled_from(["own", "own", "cached", "anchor"])) if shared else "own"
+        if kind == "anchor":
+            n = draw(st.integers(1, 40))
+            out.append(Entry(delay + remaining, 0, n, False, 0, -n))
+            continue
+        extra = draw(st.integers(1, 30)) if kind == "cached" else 0
+        out.append(Entry(delay + remaining, context, context + remaining, delay == 0, fix, extra))
     return out
 
 
-def brute_load(ents: list[Entry], model: str, block: int, t: int) -> int:
+def brute_load(ents: list[Entry], model: str, block: int, t: int, kinds=UNIFORM) -> int:
     alive = [e for e in ents if e.finish >= t]
     lengths = [e.offset + t if e.growing else e.final for e in alive]
+    if model == "token" and kinds != UNIFORM:
+        full = kinds[0][0] if kinds[0][1] == 0 else 0
+        total = 0
+        for e, n in zip(alive, lengths, strict=True):
+            total += full * -(-n // block)
+            for pages, ring in kinds:
+                if ring:
+                    total += pages * min(-(-(n + e.extra) // block), ring)
+        return total * block
     if model == "token":
         return sum(ceil_to(n, block) for n in lengths)
     if not alive:
@@ -43,8 +66,8 @@ def brute_load(ents: list[Entry], model: str, block: int, t: int) -> int:
     return len(alive) * (max(fixed) + max(n - f for n, f in zip(lengths, fixed, strict=True)))
 
 
-def brute_peak(ents, model, block):
-    return max((brute_load(ents, model, block, t) for t in range(0, 70)), default=0)
+def brute_peak(ents, model, block, kinds=UNIFORM):
+    return max((brute_load(ents, model, block, t, kinds) for t in range(0, 70)), default=0)
 
 
 @SETTINGS
@@ -67,6 +90,25 @@ def test_profile_is_exact(ents, cand, model, block, budget):
 
 
 @SETTINGS
+@given(
+    ents=entries(shared=True),
+    cand=entries(max_n=1, shared=True),
+    kinds=st.sampled_from(KINDS[1:]),
+    block=st.sampled_from([1, 3, 16]),
+    budget=st.integers(50, 3000),
+)
+def test_hybrid_profile_is_exact(ents, cand, kinds, block, budget):
+    """With window kinds a request's weight is capped, not linear: still exact at every step."""
+    profile = weight_model("token", block, kinds).profile(ents)
+    assert profile.peak() == brute_peak(ents, "token", block, kinds)
+    for t in (0, 1, 7, 30, 61):
+        assert profile.load_at(t) == brute_load(ents, "token", block, t, kinds)
+    if cand and cand[0].extra >= 0:
+        expected = brute_peak([*ents, cand[0]], "token", block, kinds) <= budget
+        assert profile.admits(cand[0], budget) == expected
+
+
+@SETTINGS
 @given(ents=entries(fixed=True), cand=entries(max_n=1, fixed=True), budget=st.integers(50, 1500))
 def test_padded_profile_with_encoder_parts_is_exact(ents, cand, budget):
     profile = weight_model("padded").profile(ents)
@@ -81,8 +123,10 @@ def test_padded_profile_with_encoder_parts_is_exact(ents, cand, budget):
 def workloads(draw):
     model = draw(st.sampled_from(["token", "padded"]))
     block = draw(st.sampled_from([1, 4, 16])) if model == "token" else 1
+    kinds = draw(st.sampled_from(KINDS)) if model == "token" else UNIFORM
     max_total = draw(st.integers(8, 80))
-    budget = draw(st.integers(ceil_to(max_total, block), 4 * max_total))
+    one = weight_model(model, block, kinds).seq(max_total)
+    budget = draw(st.integers(one, 4 * one))
     cap = draw(st.sampled_from([0, 0, draw(st.integers(1, 2 * max_total))]))
     cfg = BatcherConfig(
         max_batch_weight=budget,
@@ -92,6 +136,8 @@ def workloads(draw):
         chunked_prefill=draw(st.booleans()),
         weight_model=model,
         block_size=block,
+        kinds=kinds,
+        windows=tuple((ring - 1) * block + 1 for _pages, ring in kinds if ring),  # ring_blocks(window) = ring
         jump_window_s=draw(st.sampled_from([0.0, 0.3, 1.0, 1e9])),
         max_wait_s=draw(st.sampled_from([0.5, 2.0, 1e9])),
     )
@@ -161,31 +207,36 @@ def test_predictive_mode_never_exceeds_budget(work, margin):
 
 @SETTINGS
 @given(
-    ops=st.lists(st.tuples(st.booleans(), entries(max_n=1, fixed=True), st.integers(0, 1000)), max_size=30),
+    ops=st.lists(
+        st.tuples(st.booleans(), entries(max_n=1, fixed=True, shared=True), st.integers(0, 1000)), max_size=30
+    ),
     cand=entries(max_n=1, fixed=True),
     model=st.sampled_from(["token", "padded"]),
     block=st.sampled_from([1, 3, 16]),
+    kinds=st.sampled_from(KINDS),
     budget=st.integers(50, 1500),
 )
-def test_profile_updated_in_place_matches_a_fresh_build(ops, cand, model, block, budget):
+def test_profile_updated_in_place_matches_a_fresh_build(ops, cand, model, block, kinds, budget):
     block = block if model == "token" else 1
-    weight = weight_model(model, block)
+    kinds = kinds if model == "token" else UNIFORM
+    weight = weight_model(model, block, kinds)
     profile = weight.profile([])
     alive: list[Entry] = []
     for remove, added, pick in ops:
         if remove and alive:
             profile.remove(alive.pop(pick % len(alive)))
-        elif added:
+        elif added and (model == "token" or added[0].extra == 0):
             profile.add(added[0])
             alive.append(added[0])
         fresh = weight.profile(alive)
-        assert profile.peak() == fresh.peak() == brute_peak(alive, model, block)
+        assert profile.peak() == fresh.peak() == brute_peak(alive, model, block, kinds)
         for t in (0, 1, 7, 30, 61):
-            assert profile.load_at(t) == brute_load(alive, model, block, t)
+            assert profile.load_at(t) == brute_load(alive, model, block, t, kinds)
         if model == "token":
             assert profile.points == fresh.points
         if cand:
-            assert profile.admits(cand[0], budget) == (brute_peak([*alive, cand[0]], model, block) <= budget)
+            expected = brute_peak([*alive, cand[0]], model, block, kinds) <= budget
+            assert profile.admits(cand[0], budget) == expected
 
 
 def assert_profile_follows(b: Batcher) -> None:
@@ -205,9 +256,9 @@ def assert_profile_follows(b: Batcher) -> None:
             assert b._entries[req.id] == expected
     entries = list(b._entries.values())
     fresh = b.weight.profile(entries)
-    model, block = b.weight.name, b.weight.block_size
+    model, block, kinds = b.weight.name, b.weight.block_size, b.config.kinds
     for t in {b.step, *(e.finish for e in entries)}:
-        assert profile.load_at(t) == fresh.load_at(t) == brute_load(entries, model, block, t)
+        assert profile.load_at(t) == fresh.load_at(t) == brute_load(entries, model, block, t, kinds)
     assert profile.peak() == fresh.peak()
 
 
