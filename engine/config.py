@@ -60,4 +60,7 @@ class EngineConfig:
     sim_step_cost: str = ""  # runner="simulated": "fixed_s,per_token_s,per_kv_token_s" (default: StepCost())
     priority_headroom: float = 0.1  # share of the budget classes below the default may not take
     prefix_cache: bool = True  # paged runner: reuse the KV of repeated prompt prefixes (PREFIX_CACHE=0: off)
+    # sliding-window layers keep a ring of their window plus one block (False: every block of the context,
+    # each window a mask over it; the memory of a model of full layers, for comparison: bench.families)
+    window_rings: bool = True
     check_invariants: bool = False  # tests: verify the KV pool and the budget after every step

@@ -77,15 +77,31 @@ class KVLayout:
     group_size: int
     kinds: tuple[AttentionKind, ...]  # the full kind first, when there is one
     place: tuple[tuple[int, int, int], ...]  # per layer: (kind index, unit column, pool index)
+    # per layer: a window applied as a mask over a full kind's blocks (rings=False), else None
+    masks: tuple[int | None, ...] = ()
 
     @classmethod
     def build(
-        cls, geometry: KVGeometry, windows: list[int | None], block_size: int, max_total_tokens: int, chunk: int = 0
+        cls,
+        geometry: KVGeometry,
+        windows: list[int | None],
+        block_size: int,
+        max_total_tokens: int,
+        chunk: int = 0,
+        *,
+        rings: bool = True,
     ) -> KVLayout:
         """`windows[l]`: layer l's sliding window (None: full). A window that covers the longest context
         a request may reach is full attention in all but name, and is laid out as full. `chunk`: for a
         backend that writes a prompt chunk before attending to it (flash), the longest chunk, which a
-        ring must hold besides the window."""
+        ring must hold besides the window. `rings=False` keeps every layer's whole context (each
+        window applied as a mask): the memory of a model of full layers, for comparison."""
+        if not rings:
+            masks = tuple(w if w is not None and w < max_total_tokens else None for w in windows)
+            layers = len(windows)
+            place = tuple((0, 0, i) for i in range(layers))
+            full = AttentionKind(None, tuple(range(layers)), 1, 0)
+            return cls(geometry, block_size, layers, (full,), place, masks)
         norm = [w if w is not None and w + chunk < max_total_tokens else None for w in windows]
         by_window: dict[int | None, list[int]] = {}
         for layer, w in enumerate(norm):
@@ -100,7 +116,7 @@ class KVLayout:
                 place[layer] = (k, j // group, j % group)
             ring = 0 if w is None else ring_blocks(w + chunk, block_size)
             kinds.append(AttentionKind(w, layers, -(-len(layers) // group), ring))
-        return cls(geometry, block_size, group, tuple(kinds), tuple(place))
+        return cls(geometry, block_size, group, tuple(kinds), tuple(place), (None,) * len(windows))
 
     @property
     def windows(self) -> tuple[AttentionKind, ...]:

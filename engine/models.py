@@ -174,6 +174,17 @@ def load_model(
             eos.add(value)
         elif isinstance(value, list | tuple):
             eos.update(v for v in value if isinstance(v, int))
+    vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else None
+    outside = sorted(e for e in eos if vocab is not None and e >= vocab)
+    if outside:
+        log.warning(
+            "%s: EOS id(s) %s are outside the model's vocabulary (%d): generation stops at the tokenizer's "
+            "EOS (%s) only, where transformers' generate() would not stop at all",
+            spec,
+            outside,
+            vocab,
+            tokenizer.eos_token_id,
+        )
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     geometry = geometry_of(config, dt)

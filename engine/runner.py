@@ -182,7 +182,7 @@ class ModelRunner(PagedMemory):
                 kinds.append(meta_of.full(prefill, decode, q_starts, first))
             else:
                 kinds.append(meta_of.window(kind, k - layout.has_full, prefill, decode, q_starts, first))
-        meta = StepMeta(self.cache, len(ids), kinds, layout.place, decode_kernel=self._decode_fn)
+        meta = StepMeta(self.cache, len(ids), kinds, layout.place, layout.masks, decode_kernel=self._decode_fn)
         if self.backend == "flash":
             add_varlen(meta, prefill, decode, self.cache.block_size, self.device)
         ids_t = torch.tensor(ids, device=self.device).unsqueeze(0)

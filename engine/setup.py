@@ -164,7 +164,7 @@ def _paged_layout(cfg: EngineConfig, lm: LoadedModel, backend: str, attn_name: s
     lm.geometry = KVGeometry(len(calls), c.kv_heads, c.k_dim, lm.dtype, c.v_dim)
     block = cfg.block_size or (256 if backend == "flash" else 16)
     chunk = (cfg.max_prefill_weight or max_total) if backend == "flash" else 0
-    layout = KVLayout.build(lm.geometry, [c.window for c in calls], block, max_total, chunk)
+    layout = KVLayout.build(lm.geometry, [c.window for c in calls], block, max_total, chunk, rings=cfg.window_rings)
     if layout.windows:
         log.info("attention kinds: %s", layout.describe())
         if cfg.prefix_cache and not layout.has_full:

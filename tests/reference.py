@@ -81,3 +81,18 @@ def assert_matches(model, req, got: list[int], want: list[int], tie: float = NEA
             logits = model(torch.tensor([req.prompt_token_ids + want[:k]], device=dev)).logits[0, -1]
     top = logits.topk(2).values
     assert float(top[0] - top[1]) < tie, f"{req.id}: diverged at token {k}: {got[k : k + 5]} vs {want[k : k + 5]}"
+
+
+def assert_logprobs_match(model, req, result, tol: float = 1e-3) -> None:
+    """Each output token's log-probability (the request asked for them) equals the reference model's on
+    the same tokens: a check finer than greedy equality, which a tiny random model's flat distributions
+    can pass with corrupted attention."""
+    out = list(result.token_ids)
+    ids = torch.tensor([req.prompt_token_ids + out], device=model.device)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    first = len(req.prompt_token_ids) - 1
+    want = [float(logp[first + i, t]) for i, t in enumerate(out)]
+    got = [lp.logprob for lp in result.logprobs]
+    worst = max(abs(a - b) for a, b in zip(got, want, strict=True))
+    assert worst < tol, f"{req.id}: a log-probability differs from the reference by {worst:.2e}"

@@ -58,6 +58,7 @@ class StepMeta:
     num_tokens: int
     kinds: list[KindMeta]
     place: tuple[tuple[int, int, int], ...]  # per layer: (kind, column, pool) (KVLayout.place)
+    masks: tuple[int | None, ...] = ()  # per layer: a window masked over a full kind (KVLayout.masks)
     # flash-attn varlen view of the same step (built only for that backend)
     cu_q: torch.Tensor | None = None
     cu_k: torch.Tensor | None = None

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from .meta import KindMeta, StepMeta
+from .meta import DecodeGroup, KindMeta, PrefillChunk, StepMeta
 
 
 def write_kv(kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor | None, key, value) -> None:
@@ -111,11 +111,32 @@ def attend(
     heads, dv = query.shape[1], value.shape[3]
     q = query[0]  # [H, T, D]
     out = query.new_empty(meta.num_tokens, heads, dv)
+    masked = meta.masks[layer] if meta.masks else None
+    if masked is not None:  # a window over every block of the context (KVLayout rings=False)
+        km = masked_kind(km, masked, kc.shape[1])
     _decode(meta, km, col, q, kc, vc, out, scale, softcap, sinks)
     _prefill(km, col, q, key, value, kc, vc, out, scale, softcap, sinks)
     if km.late_rows is not None:
         write_kv(kc, vc, km.late_slots[col], km.late_rows, key, value)
     return out.unsqueeze(0)
+
+
+def masked_kind(km: KindMeta, window: int, block: int) -> KindMeta:
+    """A full kind's step with a window masked over it: rows see only keys in (q - window, q]."""
+    groups = []
+    for dec in km.decode:
+        starts = (dec.lens - window).clamp(min=0)
+        pos = torch.arange(dec.nb * block, device=starts.device)[None, :]
+        mask = ((pos >= starts[:, None]) & (pos < dec.lens[:, None])).view(-1, 1, 1, pos.shape[1])
+        groups.append(DecodeGroup(dec.q_idx, dec.blocks, dec.nb, mask, dec.lens, starts))
+    chunks = []
+    for p in km.prefills:
+        q = torch.arange(p.k_len - p.q_len, p.k_len, device=km.slots[0].device)[:, None]
+        k = torch.arange(p.k_len if p.blocks is not None else p.q_len, device=q.device)[None, :]
+        if p.blocks is None:
+            k = k + p.k_len - p.q_len
+        chunks.append(PrefillChunk(p.q_start, p.q_len, p.k_len, p.blocks, (k <= q) & (k > q - window)))
+    return KindMeta(km.window, km.slots, km.rows, groups, chunks, km.late_rows, km.late_slots)
 
 
 def _decode(meta, km: KindMeta, col, q, kc, vc, out, scale, softcap, sinks) -> None:

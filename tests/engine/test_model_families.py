@@ -6,6 +6,7 @@ refused at load, with a message that says why."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from weightq.batcher import ConfigError
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 
 from tests.families import FAMILIES, REFUSED, WINDOWED, build
-from tests.reference import assert_greedy_equal, mixed_requests
+from tests.reference import assert_greedy_equal, assert_logprobs_match, mixed_requests
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +60,15 @@ def test_family_greedy_matches_generate(name, family_dirs):
     path = family_dirs(name)
     engine = engine_for(path)
     assert engine.lm.runner == FAMILIES[name][1]
-    reqs = mixed_requests(8, seed=3, max_prompt=160, max_new=40)
+    reqs = [
+        replace(r, params=replace(r.params, logprobs=1)) for r in mixed_requests(8, seed=3, max_prompt=160, max_new=40)
+    ]
     results = engine.generate(reqs)
     assert all(r.error is None for r in results), [r.error for r in results]
-    assert_greedy_equal(reference_of(path, FAMILIES[name][1]), reqs, results)
+    reference = reference_of(path, FAMILIES[name][1])
+    assert_greedy_equal(reference, reqs, results)
+    for req, result in zip(reqs, results, strict=True):  # finer than greedy: every token's log-probability
+        assert_logprobs_match(reference, req, result)
     if engine.batcher.ledger is not None:
         assert engine.batcher.ledger.used == 0
 
@@ -150,3 +156,43 @@ def test_the_window_layers_hold_their_window_plus_one_block(family_dirs):
         most = max([most, *(len(r.rings[0]) for r in engine.batcher.running.values())])
     assert most == window.ring * window.pages  # full rings, never more
     torch.testing.assert_close(torch.tensor(0), torch.tensor(engine.batcher.ledger.used))
+
+
+def test_a_step_that_fails_mid_forward_keeps_every_ring_exact(family_dirs):
+    """A forward that fails in its last layer, after the window layers below wrote their chunks' last
+    windows into the rings: each request is run again alone, except prompt chunks that read a ring
+    (it may now hold what the failed step wrote): those are prefilled again from the start. Every
+    request still equals generate()."""
+    path = family_dirs("gemma3")
+    engine = engine_for(path)
+    rng = random.Random(4)
+    reqs = [
+        GenerationRequest(
+            f"r{i}",
+            prompt_token_ids=[rng.randrange(10, 1100) for _ in range(n)],
+            params=SamplingParams(max_new_tokens=20, logprobs=1),
+        )
+        for i, n in enumerate([200, 30, 7])
+    ]
+    armed = {"fail": False}
+
+    def fail(module, args, output):
+        if armed.pop("fail", False):  # once: the reruns go through
+            raise RuntimeError("a failed step")
+
+    hook = engine.lm.model.model.layers[-1].register_forward_hook(fail)
+    try:
+        handles = [engine.submit(r) for r in reqs]
+        while any(h.final is None for h in handles):
+            r0 = engine.batcher.running.get("r0")
+            if r0 is not None and 0 < r0.prefilled < 200 and "done" not in armed:
+                armed.update(fail=True, done=True)  # r0 is mid-prompt: its next chunk reads its ring
+            engine.step()
+    finally:
+        hook.remove()
+    assert "done" in armed and "fail" not in armed
+    assert engine.batcher.stats.preemptions == 1  # r0's chunk went back to the queue; the others reran
+    reference = reference_of(path)
+    assert_greedy_equal(reference, reqs, [h.final for h in handles])
+    for req, h in zip(reqs, handles, strict=True):
+        assert_logprobs_match(reference, req, h.final)
