@@ -1,6 +1,6 @@
 """Memory that follows the model: a Gemma-3-shaped model's window layers keep their window, not the context.
 
-    python -m bench.families --json     # [--requests 64] [--context 4096] [--rounds 2]
+    python -m bench.families --json     # [--requests 64] [--context 4096] [--new 128] [--rounds 2]
 
 A tiny random model of Gemma 3's shape (6 layers: 5 with a 512-token sliding window, 1 full; the
 built-in tokenizer) serves `requests` requests of about `context` tokens each (a prompt of context -
@@ -93,7 +93,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--budget-requests", type=int, default=16, help="KV memory: this many full-length requests")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
@@ -108,6 +108,7 @@ def main() -> None:
                     max_batch_weight=budget,
                     max_total_tokens=args.context,
                     window_rings=rings,
+                    max_prefill_weight=args.context,  # a prompt a step: memory, not the prefill cap, bounds it
                     mode="worst_case",
                     prefix_cache=False,
                 )

@@ -96,3 +96,31 @@ def test_the_cuda_runner_overlaps_the_host_work_and_gives_the_same_tokens():
         outputs.append([(f.token_ids, f.text, f.reason) for f in engine.generate(reqs)])
         assert engine.stats()["forward_s"] > 0
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma2", "gpt_oss", "deepseek_v3_mla"])
+@cuda
+def test_window_softcap_sink_and_mla_families_on_cuda(name, tmp_path, tiny_path):
+    """The families whose attention has variants, on a GPU: with flash-attn where it serves them (windows,
+    soft-capping), else the SDPA backend (sinks, MLA: refused for flash at load), float32, against eager."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.families import build
+
+    path = build(name, tmp_path / name, AutoTokenizer.from_pretrained(tiny_path))
+    reference = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").cuda().eval()
+    engine = Engine(
+        EngineConfig(
+            model=path,
+            device="cuda",
+            dtype="float32",
+            max_batch_weight=8192,
+            max_total_tokens=320,
+            max_prefill_weight=256,
+            check_invariants=True,
+        )
+    )
+    if name in ("gpt_oss", "deepseek_v3_mla"):
+        assert engine.backend == "sdpa"
+    reqs = mixed_requests(12, seed=3, max_prompt=160, max_new=40)
+    assert_greedy_equal(reference, reqs, engine.generate(reqs), tie=1e-3)
