@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from .request import DEFAULT_PRIORITY
+
 WeightModelName = Literal["token", "padded"]
 Mode = Literal["worst_case", "predictive"]
 
@@ -59,7 +61,7 @@ class BatcherConfig:
     max_preemptions: int = 2
     prefix_caching: bool = False
     priority_headroom: float = 0.0
-    headroom_priority: int = 5
+    headroom_priority: int = DEFAULT_PRIORITY
 
     def resolved(self) -> BatcherConfig:
         """Fill in max_batch_weight and check that one maximal request fits; raises ConfigError."""

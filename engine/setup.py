@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
-from weightq.batcher import Batcher, BatcherConfig, ConfigError
+from weightq.batcher import DEFAULT_PRIORITY, Batcher, BatcherConfig, ConfigError
 from weightq.batcher.sim.cost import StepCost
 
 from .attention import register
@@ -19,7 +19,6 @@ from .flash import available as flash_available
 from .kv_cache import KVCache, derive_capacity
 from .models import LoadedModel, choose_runner, load_model, resolve_device
 from .padded import PaddedRunner, measure_padded
-from .params import DEFAULT_PRIORITY
 from .runner import ModelRunner, Runner
 from .simulated import SIMULATED_GEOMETRY, SimulatedRunner
 

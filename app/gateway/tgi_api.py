@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import random
 
-from weightq.tasks.schema import RequestError, field_name
+from weightq.tasks.request import RequestError, field_name
 
 PARAMETERS = {
     "do_sample", "max_new_tokens", "repetition_penalty", "frequency_penalty", "return_full_text", "stop", "seed",
@@ -35,8 +35,9 @@ def _refuse_unless(params: dict, name: str, allowed: tuple) -> None:
 
 
 def job_request(body: object, stream: bool = False) -> tuple[dict, dict]:
-    """(job request, the TGI parameters) of a /generate body. Token log-probabilities are asked for
-    whenever TGI would show them: in details, and in every streamed token."""
+    """(job request in the contract's names, the TGI parameters) of a /generate body; the route parses
+    it with TGI's defaults (tasks/limits.py). Token log-probabilities are asked for whenever TGI would
+    show them: in details, and in every streamed token."""
     if not isinstance(body, dict):
         raise RequestError("body", "must be a JSON object")
     unknown = sorted(set(body) - {"inputs", "parameters", "stream"})
@@ -92,7 +93,6 @@ def job_request(body: object, stream: bool = False) -> tuple[dict, dict]:
         job["prompt_logprobs"] = 0
     if params.get("stop"):
         job["stop"] = params["stop"]
-    job.setdefault("max_new_tokens", 100)  # TGI's default
     return job, params
 
 
