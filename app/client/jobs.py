@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import redis
-from celery import Celery
 from weightq.redis_conn import Durable, connect, retrying
 from weightq.settings import Settings
 from weightq.tasks.contract import (
@@ -151,22 +150,6 @@ class Job:
         return await asyncio.get_running_loop().run_in_executor(None, self.result, timeout)
 
 
-class ClientCelery(Celery):
-    """The client's Celery app. Celery's Redis backend subscribes to a task's result channel at every
-    send, so that a later .get() cannot miss it: two more commands and a pub/sub message per job, for a
-    result weightq's callers read from the stream's end entry. AsyncResult.get() subscribes, then reads
-    the stored state, by itself when it is called, so sending skips it."""
-
-    def _get_backend(self):
-        backend = super()._get_backend()
-        backend.on_task_call = _no_subscription  # the instance only: the backend class stays Celery's
-        return backend
-
-
-def _no_subscription(producer, task_id) -> None:
-    return None
-
-
 class Client:
     def __init__(self, redis_url: str | None = None, *, settings: Settings | None = None) -> None:
         self.settings = settings or Settings.from_env()
@@ -182,11 +165,11 @@ class Client:
 
     @property
     def app(self):
+        """The client's Celery app, built (and Celery imported) when the first job is sent."""
         if self._app is None:
-            from weightq.celery_config import celery_config
+            from .celery_app import client_celery
 
-            self._app = ClientCelery("weightq-client")
-            self._app.config_from_object(celery_config(self.settings, self.url))
+            self._app = client_celery(self.settings, self.url)
         return self._app
 
     def submit(
