@@ -11,6 +11,7 @@ import json
 import time
 from json.encoder import encode_basestring_ascii
 
+from weightq.tasks.limits import MAX_LOGPROBS
 from weightq.tasks.request import RequestError, field_name
 
 # Accepted and ignored: they change nothing about the generation.
@@ -145,8 +146,9 @@ def chat_job(body: dict, served_model: str) -> dict:
     top = body.get("top_logprobs")
     if top is not None and not body.get("logprobs"):
         raise RequestError("top_logprobs", "needs logprobs: true")
-    if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20):
-        raise RequestError("top_logprobs", f"must be an integer between 0 and 20 (got {str(top)[:32]})")
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_LOGPROBS):
+        # checked here, not by the contract: the job's `logprobs` would name the wrong field
+        raise RequestError("top_logprobs", f"must be an integer between 0 and {MAX_LOGPROBS} (got {str(top)[:32]})")
     if body.get("logprobs"):
         job["logprobs"] = 0 if top is None else top
     _refuse_unless(body, "tools", (None, []))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 
+from weightq.tasks.limits import MAX_LOGPROBS
 from weightq.tasks.request import RequestError, field_name
 
 PARAMETERS = {
@@ -83,8 +84,10 @@ def job_request(body: object, stream: bool = False) -> tuple[dict, dict]:
         if best_of > 1 and params.get("seed") is not None:  # as TGI: each sample gets a seed of its own
             raise RequestError("parameters.seed", "must not be set when best_of > 1")
     top_n = params.get("top_n_tokens")
-    if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or not 0 <= top_n <= 20):
-        raise RequestError("parameters.top_n_tokens", f"must be an integer between 0 and 20 (got {str(top_n)[:32]})")
+    if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or not 0 <= top_n <= MAX_LOGPROBS):
+        raise RequestError(
+            "parameters.top_n_tokens", f"must be an integer between 0 and {MAX_LOGPROBS} (got {str(top_n)[:32]})"
+        )
     if stream or params.get("details") or top_n or (best_of or 1) > 1:  # best_of ranks by logprob
         job["logprobs"] = top_n or 0
     if params.get("decoder_input_details"):  # the prompt's tokens with their logprobs, in details.prefill
