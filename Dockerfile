@@ -1,8 +1,9 @@
 # One image for every service of docker-compose.yml (worker, gateway, flower); the command picks the role.
-# GPU workers: build with --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu124 and EXTRAS=flower,cuda.
+# The worker extra is the engine (torch, transformers); a gateway-only image could leave it out.
+# GPU workers: build with --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu124 and EXTRAS=worker,flower,cuda.
 FROM python:3.11-slim
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
-ARG EXTRAS=flower
+ARG EXTRAS=worker,flower
 WORKDIR /srv/weightq
 COPY pyproject.toml README.md ./
 COPY app app

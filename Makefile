@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --retries 0 "torch==2.13.0" --extra-index-url $(TORCH_INDEX)
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,worker]"
 # HF's text-generation client pins huggingface-hub<1 while transformers 5 needs >=1.31; the client only
 # imports build_hf_headers, which hub 1.x and 2.x keep, so it goes in without its pins (tests only).
 	$(PY) -m pip install -q --no-deps "text-generation==0.7.0"

@@ -1,81 +1,19 @@
-"""The Celery app: `celery -A weightq worker` finds it here. Configuration comes from Settings alone."""
+"""The Celery app: `celery -A weightq worker` finds it here. Configuration comes from Settings alone
+(celery_config.py).
+
+The worker's bootsteps are named, not imported: they load the engine (torch, the worker extra) when a
+worker starts them, so that Flower, `celery inspect` and anything else that imports this app load no
+engine.
+"""
 
 from __future__ import annotations
 
-import ssl
-
 from celery import Celery
 
-from .redis_conn import celery_options
+from .celery_config import celery_config
 from .settings import Settings
-from .worker.boot import ConsumerLink, EngineStep
-
-
-def tls_options(s: Settings, url: str) -> dict:
-    """Celery refuses rediss:// without explicit certificate checking: say it for broker and backend."""
-    if not url.startswith("rediss://"):
-        return {}
-    reqs = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL, "none": ssl.CERT_NONE}
-    if s.redis_ssl_cert_reqs not in reqs:
-        raise ValueError(f"REDIS_SSL_CERT_REQS={s.redis_ssl_cert_reqs!r}: expected one of {', '.join(reqs)}")
-    opts = {"ssl_cert_reqs": reqs[s.redis_ssl_cert_reqs]}
-    if s.redis_ssl_ca_certs:
-        opts["ssl_ca_certs"] = s.redis_ssl_ca_certs
-    return {"broker_use_ssl": opts, "redis_backend_use_ssl": opts}
-
-
-_OWN_TRANSPORTS = {"redis": "weightq.transport:Transport", "sentinel": "weightq.transport:SentinelTransport"}
-
-
-def celery_config(s: Settings, url: str | None = None) -> dict:
-    url = url or s.resolved_redis_url()
-    sentinel = celery_options(url, s)
-    return {
-        "broker_url": url,
-        "result_backend": url,
-        # JSON only: a pickled (or any foreign) message is refused, never executed.
-        "task_serializer": "json",
-        "result_serializer": "json",
-        "accept_content": ["json"],
-        "result_accept_content": ["json"],
-        # At-least-once: a message is acked only when its generation is done.
-        "task_acks_late": True,
-        "task_reject_on_worker_lost": True,
-        "worker_prefetch_multiplier": 1,
-        "worker_pool": "threads",
-        "worker_concurrency": s.concurrency,
-        "task_default_queue": s.queue,
-        "broker_transport_options": {
-            "visibility_timeout": s.visibility_timeout_s,
-            "unacked_restore_interval": s.restore_interval_s,
-            "unacked_restore_throttle": 1,
-            # kombu holds this Redis lock while it restores expired messages, 300 s by default: a worker
-            # SIGKILLed inside that window stopped every worker's restores for five minutes (seen in CI:
-            # a poison job's redelivery never came). A restore takes milliseconds, and restoring a tag
-            # twice is prevented by kombu's WATCH transaction, so the lock may lapse soon.
-            "unacked_mutex_expire": 10,
-            # a list per priority (tasks.schema.broker_priority), the most urgent taken first
-            "priority_steps": list(range(10)),
-            "queue_order_strategy": "priority",
-            **sentinel.get("broker_transport_options", {}),
-        },
-        **({"result_backend_transport_options": sentinel["result_backend_transport_options"]} if sentinel else {}),
-        **tls_options(s, url),
-        "broker_connection_retry_on_startup": True,
-        "broker_connection_max_retries": None,  # a Redis restart is waited out, however long
-        # kombu's Redis transport without the restore-on-close that crashed the consumer after a
-        # Redis crash (see app/transport.py); rediss:// and unix sockets keep kombu's own.
-        **({"broker_transport": own} if (own := _OWN_TRANSPORTS.get(url.split("://")[0])) else {}),
-        "result_expires": s.result_ttl_s,
-        "result_extended": True,
-        "task_track_started": False,  # Flower sees "started" through events; skip the extra backend write
-        "task_send_sent_event": s.task_events,
-        "worker_send_task_events": s.task_events,
-        "worker_hijack_root_logger": False,
-    }
-
 
 app = Celery("weightq", include=["weightq.tasks.generate"])
 app.config_from_object(celery_config(Settings.from_env()))
-app.steps["worker"].add(EngineStep)
-app.steps["consumer"].add(ConsumerLink)
+app.steps["worker"].add("weightq.worker.boot:EngineStep")
+app.steps["consumer"].add("weightq.worker.boot:ConsumerLink")

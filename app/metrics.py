@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from weightq.engine import FinishEvent
+from weightq.tasks.results import Finished
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -45,7 +45,7 @@ class EngineMetrics:
         self.tpot = Histogram(TPOT_BUCKETS)
         self.finished: Counter[str] = Counter()
 
-    def observe(self, ev: FinishEvent) -> None:
+    def observe(self, ev: Finished) -> None:
         with self._lock:
             self.finished[ev.reason] += 1
             if ev.completion_tokens:

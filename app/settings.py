@@ -9,7 +9,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, DotEnvSettingsSource, EnvSettingsSource, SettingsConfigDict
-from weightq.engine import EngineConfig
 
 ENV_FILE = ".env"
 
@@ -125,27 +124,6 @@ class Settings(BaseSettings):
     @property
     def home(self) -> Path:
         return Path(self.weightq_home)
-
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            model=self.model,
-            device=self.device,
-            dtype=self.dtype,
-            max_batch_weight=self.max_batch_weight or None,
-            max_batch_size=self.max_batch_size,
-            max_prefill_weight=self.max_prefill_weight,
-            max_input_length=self.max_input_length,
-            max_total_tokens=self.max_total_tokens,
-            cpu_kv_bytes=self.kv_cache_mb * 2**20,
-            gpu_memory_fraction=self.gpu_memory_fraction,
-            mode=self.batcher_mode,  # type: ignore[arg-type]
-            runner=self.runner,  # type: ignore[arg-type]
-            sim_step_cost=self.sim_step_cost,
-            prefix_cache=self.prefix_cache,
-            priority_headroom=self.priority_headroom,
-            compile=self.compile,  # type: ignore[arg-type]
-            torch_threads=self.torch_threads,
-        )
 
     def resolved_redis_url(self) -> str:
         """REDIS_URL, else the URL of the embedded Redis that `weightq` started, else localhost."""

@@ -145,8 +145,9 @@ class StaleChannelSafe:
 
 
 def priority_queues(queue: str) -> list[str]:
-    """The Redis lists of a queue, one per message priority (app/celery.py: priority_steps 0-9), in the
-    order kombu takes them: priority 0 (the most urgent class, tasks.schema.broker_priority) first."""
+    """The Redis lists of a queue, one per message priority (celery_config.py: priority_steps 0-9), in
+    the order kombu takes them: priority 0 (the most urgent class, tasks/limits.py: broker_priority)
+    first."""
     return [queue] + [f"{queue}{kombu_redis.Channel.sep}{p}" for p in range(1, 10)]
 
 

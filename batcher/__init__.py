@@ -5,10 +5,12 @@ from .blocks import BlockLedger, chain_keys
 from .config import BatcherConfig, ConfigError
 from .estimator import OutputLengthEstimator
 from .projection import Entry, PaddedProfile, TokenProfile
-from .request import Request, RequestRejected
+from .request import DEFAULT_PRIORITY, TOP_PRIORITY, Request, RequestRejected
 from .weight import PaddedWeight, TokenWeight, weight_model
 
 __all__ = [
+    "DEFAULT_PRIORITY",
+    "TOP_PRIORITY",
     "Batcher",
     "BatcherConfig",
     "BatcherStats",

@@ -25,11 +25,9 @@ from .config import BatcherConfig
 from .estimator import OutputLengthEstimator
 from .prefix import SharedBlocks
 from .projection import Entry, PaddedProfile, TokenProfile
-from .request import Request, RequestRejected
+from .request import TOP_PRIORITY, Request, RequestRejected
 from .reservations import Reservations
 from .weight import weight_model
-
-TOP_PRIORITY = 9
 
 
 @dataclass(slots=True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from .request import DEFAULT_PRIORITY
+
 WeightModelName = Literal["token", "padded"]
 Mode = Literal["worst_case", "predictive"]
 
@@ -64,7 +66,7 @@ class BatcherConfig:
     max_preemptions: int = 2
     prefix_caching: bool = False
     priority_headroom: float = 0.0
-    headroom_priority: int = 5
+    headroom_priority: int = DEFAULT_PRIORITY
     kinds: tuple[tuple[int, int], ...] = ((1, 0),)
     windows: tuple[int, ...] = ()
 

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The priority scale, the job contract's (tasks/limits.py, which this layer cannot import; a test keeps
+# them equal): classes 0-9, a higher class admitted first; a request that names none is of the default
+# class, and classes below it are background work (BatcherConfig.headroom_priority).
+TOP_PRIORITY = 9
+DEFAULT_PRIORITY = 5
+
 
 class RequestRejected(ValueError):
     """A request that can never run under this configuration; `field` names the offending field."""
@@ -37,7 +43,7 @@ class Request:
     preemptions: int = 0
     fixed_len: int = 0
     runs_to_max: bool = False  # nothing can end it early (EOS ignored, no stop conditions): its length is known
-    priority: int = 0  # its class, 0-9: a higher class is admitted first (admission.py)
+    priority: int = DEFAULT_PRIORITY  # its class, 0-9: a higher class is admitted first (admission.py)
     prefix: tuple[bytes, ...] = ()
     shared: int = 0
     cached: int = 0

@@ -24,7 +24,6 @@ import statistics
 import time
 
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from weightq.engine.grammar import guided_spec
 
 from .engine import workload
 
@@ -48,7 +47,7 @@ def constrained(work, tag: str) -> list[GenerationRequest]:
         GenerationRequest(
             f"{tag}{i}",
             prompt_token_ids=ids,
-            params=SamplingParams(max_new_tokens=512, guided=guided_spec("json_schema", SCHEMAS[i % len(SCHEMAS)])),
+            params=SamplingParams(max_new_tokens=512, guided=("json_schema", json.dumps(SCHEMAS[i % len(SCHEMAS)]))),
         )
         for i, (ids, _) in enumerate(work)
     ]
@@ -133,7 +132,7 @@ def main() -> None:
     engine = Engine(EngineConfig(max_batch_weight=BUDGET))
     t0 = time.perf_counter()
     for schema in SCHEMAS:
-        engine.grammars.compiled(guided_spec("json_schema", schema))
+        engine.grammars.compiled(("json_schema", json.dumps(schema)))
     compile_s = time.perf_counter() - t0
     _, first = timed(engine, constrained(work, "warm-"))  # warm-up; fixes the lengths
     lengths = [max(1, r.completion_tokens) for r in first]

@@ -1,4 +1,16 @@
-"""weightq's engine: transformers models over a paged KV cache, continuously batched."""
+"""weightq's engine: transformers models over a paged KV cache, continuously batched.
+
+Its dependencies (torch, transformers, tokenizers, safetensors) are the `worker` extra: a web app or a
+gateway installs weightq without them, and importing the engine there says what to install.
+"""
+
+try:
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+except ModuleNotFoundError as e:
+    raise ModuleNotFoundError(
+        f"weightq's engine needs {e.name}, which is not installed: pip install 'weightq[worker]'", name=e.name
+    ) from None
 
 from .config import EngineConfig
 from .core_process import AnyEngine, EngineDied, EngineProcess, own_process

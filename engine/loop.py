@@ -243,7 +243,6 @@ class Engine(StepOutputs, EngineStats):
 
     def _prepare(self, request: GenerationRequest, now: float) -> Sequence:
         params = request.params
-        params.validate()
         ids = prompt_ids(self.tokenizer, self.config.model, request)
         if not ids:
             raise InvalidRequest("prompt", "must not be empty")

@@ -1,15 +1,18 @@
-"""What a caller asks of one generation, and what the engine reports back."""
+"""What a caller asks of one generation, and what the engine reports back.
+
+The engine takes a request as valid: the worker builds it from a job request the contract checked
+(tasks/request.py, app/worker/engine_request.py). It refuses only what needs the model: token ids
+outside the vocabulary, a prompt too long in tokens, a grammar that does not compile (InvalidRequest),
+and what the batcher cannot fit (RequestRejected).
+"""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from weightq.batcher import RequestRejected
+from weightq.batcher import DEFAULT_PRIORITY, RequestRejected
 
-GUIDED_KINDS = ("json_schema", "json_object", "regex")
-MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 FinishReason = Literal["length", "stop", "eos", "cancelled", "error"]
 
 
@@ -20,7 +23,8 @@ class InvalidRequest(RequestRejected):
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """temperature 0 is greedy; top_k 0 and top_p 1 are off; a seed makes sampling reproducible
-    whatever else shares the batch."""
+    whatever else shares the batch. Within the contract's limits (tasks/limits.py); the defaults serve
+    callers of the engine itself (the worker sets every field)."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -54,55 +58,6 @@ class SamplingParams:
             and self.guided is None
         )
 
-    def validate(self) -> None:
-        def finite(name: str, value: float) -> None:
-            if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
-                raise InvalidRequest(name, f"must be a finite number (got {value!r})")
-
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise InvalidRequest("max_new_tokens", f"must be an integer >= 1 (got {self.max_new_tokens!r})")
-        finite("temperature", self.temperature)
-        if self.temperature < 0:
-            raise InvalidRequest("temperature", f"must be >= 0 (got {self.temperature})")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequest("top_k", f"must be an integer >= 0 (got {self.top_k!r})")
-        finite("top_p", self.top_p)
-        if not 0 < self.top_p <= 1:
-            raise InvalidRequest("top_p", f"must be in (0, 1] (got {self.top_p})")
-        finite("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise InvalidRequest("repetition_penalty", f"must be > 0 (got {self.repetition_penalty})")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
-            raise InvalidRequest("seed", f"must be an integer in [0, 2**63) (got {self.seed!r})")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise InvalidRequest("stop", "every stop sequence must be a non-empty string")
-        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
-            raise InvalidRequest("stop_token_ids", "every entry must be a non-negative integer")
-        for name in ("presence_penalty", "frequency_penalty"):
-            finite(name, getattr(self, name))
-            if not -2 <= getattr(self, name) <= 2:
-                raise InvalidRequest(name, f"must be in [-2, 2] (got {getattr(self, name)})")
-        for tok, bias in self.logit_bias:
-            if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
-                raise InvalidRequest("logit_bias", f"keys must be token ids (got {tok!r})")
-            finite("logit_bias", bias)
-            if not -100 <= bias <= 100:
-                raise InvalidRequest("logit_bias", f"values must be in [-100, 100] (got {bias})")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:
-            raise InvalidRequest("min_tokens", f"must be an integer in [0, max_new_tokens] (got {self.min_tokens!r})")
-        if self.guided is not None:
-            if not (isinstance(self.guided, tuple) and len(self.guided) == 2 and self.guided[0] in GUIDED_KINDS):
-                raise InvalidRequest("guided", f"must be one of {', '.join(GUIDED_KINDS)}")
-            if self.ignore_eos or self.min_tokens:
-                raise InvalidRequest("guided", "cannot be combined with ignore_eos or min_tokens (the grammar ends it)")
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(self, name)
-            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
-                raise InvalidRequest(name, f"must be an integer in [0, {MAX_LOGPROBS}] (got {k!r})")
-
-
-DEFAULT_PRIORITY = 5  # the class of a request that names none; lower classes leave the priority headroom
-
 
 @dataclass(slots=True)
 class GenerationRequest:
@@ -129,10 +84,6 @@ class TokenLogprobs:
 
     def as_json(self) -> list:
         return [self.token, self.logprob, list(self.top_ids), list(self.top_tokens), list(self.top_logprobs)]
-
-    @classmethod
-    def from_json(cls, v: list) -> TokenLogprobs:
-        return cls(v[0], v[1], tuple(v[2]), tuple(v[3]), tuple(v[4]))
 
 
 @dataclass(frozen=True, slots=True)

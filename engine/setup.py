@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
-from weightq.batcher import Batcher, BatcherConfig, ConfigError
+from weightq.batcher import DEFAULT_PRIORITY, Batcher, BatcherConfig, ConfigError
 from weightq.batcher.sim.cost import StepCost
 
 from .attention import register
@@ -20,7 +20,6 @@ from .config import EngineConfig
 from .kv_cache import KVCache, KVGeometry, KVLayout, derive_capacity
 from .models import LoadedModel, choose_runner, load_model, resolve_device
 from .padded import PaddedRunner, measure_padded
-from .params import DEFAULT_PRIORITY
 from .runner import ModelRunner, Runner
 from .simulated import SIMULATED_GEOMETRY, SimulatedRunner
 

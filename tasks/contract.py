@@ -22,9 +22,9 @@ A reader reads the stream from 0-0, so attaching late misses nothing. A job rest
 died writes a new attempt entry and regenerates its tokens from index 0; `Replay` drops the ones a
 reader already has (greedy and seeded runs regenerate the same tokens).
 
-The task `TASK_NAME` takes the request dict of tasks/schema.py and returns `result_dict`'s shape
-(with "logprobs", one "lp" list per output token, and "prompt_logprobs" with "prompt_token_ids",
-when the request asks for them).
+The task `TASK_NAME` takes a request's JSON (tasks/request.py: `JobRequest.to_json()`) and returns
+`result_dict`'s shape (with "logprobs", one "lp" list per output token, and "prompt_logprobs" with
+"prompt_token_ids", when the request asks for them).
 """
 
 from __future__ import annotations
@@ -32,10 +32,9 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from weightq.engine import FinishEvent
+from .results import Finished
 
 TASK_NAME = "weightq.generate"
 
@@ -169,7 +168,7 @@ def cancelled_result(job_id: str) -> dict[str, Any]:
     }
 
 
-def result_dict(ev: FinishEvent) -> dict[str, Any]:
+def result_dict(ev: Finished) -> dict[str, Any]:
     """The JSON result of a generation (the task's return value)."""
     return {
         "id": ev.request_id,

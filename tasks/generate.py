@@ -1,7 +1,8 @@
 """The `weightq.generate` task: a JSON request in, a JSON result out.
 
 Any app that shares the Redis URL can call it by name (`send_task(TASK_NAME, [request])`, see contract.py).
-The task body hands the request to the engine hosted by the worker (see app/worker/) and waits.
+The task body parses the request (once: a caller by name may send anything), hands the typed request
+to the engine hosted by the worker (see app/worker/) and waits.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from celery import shared_task
 from celery.exceptions import Reject
 
 from .contract import TASK_NAME
-from .schema import RequestError, parse_request
+from .request import RequestError, parse_request
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +34,14 @@ def generate(self, request: dict) -> dict:
         raise NoEngine("this worker hosts no weightq engine: start it with `weightq worker` (threads pool)")
     job_id = self.request.id
     try:
-        spec = parse_request(request)
+        job = parse_request(request)
     except RequestError as e:
         log.warning("job %s refused: %s", job_id, e)
         host.fail(job_id, e)
         raise
     tag = (self.request.delivery_info or {}).get("delivery_tag")
     try:
-        return host.run(job_id, spec, tag)
+        return host.run(job_id, job, tag)
     except Reject:
         raise  # back to the queue (warm shutdown)
     except RequestRefused as e:

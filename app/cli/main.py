@@ -8,10 +8,11 @@ import sys
 
 from weightq.batcher import BatcherConfig, ConfigError
 from weightq.batcher.sim import POLICIES, StepCost, load_trace, sharegpt_like, simulate_mixed, simulate_policies
+from weightq.tasks.limits import DEFAULTS, Door
 
 from .batch_cmd import batch_parser
 from .redis_server import ensure_redis
-from .stack import stack_parsers
+from .stack import require_worker_extra, stack_parsers
 
 TABLE_COLUMNS = (
     ("output_tokens_per_s", "out tok/s"),
@@ -141,9 +142,9 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("prompts", nargs="*", default=["The scheduler admits"], help="prompts (default: one demo prompt)")
     p.add_argument("--model", default="builtin:tiny", help="builtin:tiny, a local directory, or a cached hub id")
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=None, help=f"default {DEFAULTS[Door.CLI].max_new_tokens}")
+    p.add_argument("--temperature", type=float, default=None, help="default 0: greedy")
+    p.add_argument("--top-p", type=float, default=None, help="default 1: off")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--max-batch-weight", type=int, default=None, help="KV capacity in tokens (default: from memory)")
@@ -151,18 +152,21 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from weightq.engine import Engine, EngineConfig, FinishEvent, GenerationRequest, SamplingParams
+    from weightq.tasks.request import RequestError, parse_request
+
+    asked = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
+    try:  # checked as any job is, before the model loads
+        jobs = [parse_request({"prompt": p, "seed": args.seed, **asked}, Door.CLI) for p in args.prompts]
+    except RequestError as e:
+        raise SystemExit(f"weightq generate: {e}") from None
+    require_worker_extra("generate")
+    from weightq.engine import Engine, EngineConfig, FinishEvent
+    from weightq.worker.to_engine import engine_request
 
     engine = Engine(EngineConfig(model=args.model, device=args.device, max_batch_weight=args.max_batch_weight))
-    params = SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
-    )
     engine.start()
     try:
-        handles = [
-            engine.submit(GenerationRequest(f"cli-{i}", prompt=p, params=params), stream=True)
-            for i, p in enumerate(args.prompts)
-        ]
+        handles = [engine.submit(engine_request(f"cli-{i}", job), stream=True) for i, job in enumerate(jobs)]
         for prompt, handle in zip(args.prompts, handles, strict=True):
             print(f"\n>>> {prompt}", end="", flush=True)
             for event in handle.events(timeout=600):
@@ -203,6 +207,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     from weightq.settings import Settings
 
+    require_worker_extra("worker")
     settings = Settings.from_env()
     os.environ["REDIS_URL"] = ensure_redis(settings)
     from weightq.celery import app

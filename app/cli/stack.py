@@ -214,6 +214,22 @@ def stack_parsers(sub: argparse._SubParsersAction) -> None:
     d.set_defaults(func=cmd_demo)
 
 
+WORKER_EXTRA = ("torch", "transformers", "tokenizers", "safetensors")  # pyproject.toml's `worker` extra
+
+
+def require_worker_extra(command: str) -> None:
+    """The engine's dependencies are an extra (`weightq[worker]`): a command that runs an engine says
+    so, before it starts anything, where `pip install weightq` alone was enough for a web app."""
+    import importlib.util
+
+    missing = [name for name in WORKER_EXTRA if importlib.util.find_spec(name) is None]
+    if missing:
+        raise SystemExit(
+            f"weightq {command}: the engine needs {', '.join(missing)}, which is not installed: "
+            "pip install 'weightq[worker]'"
+        )
+
+
 def require_flower() -> None:
     """Flower is an extra (`weightq[flower]`): name it rather than fail in a child process."""
     import importlib.util
@@ -223,6 +239,7 @@ def require_flower() -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    require_worker_extra("up")
     settings = Settings.from_env()
     if args.flower:
         require_flower()
@@ -243,6 +260,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .batch_cmd import format_summary
     from .redis_server import free_port
 
+    require_worker_extra("demo")
     settings = Settings.from_env()
     batch = Path(args.batch) if args.batch else Path(__file__).resolve().parents[2] / "examples" / "prompts.jsonl"
     home = settings.home / "demo"

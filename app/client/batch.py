@@ -2,7 +2,7 @@
 
     weightq batch prompts.jsonl -o results.jsonl
 
-Each input line is a job request (tasks/schema.py: prompt, messages or prompt_token_ids, and
+Each input line is a job request (tasks/request.py: prompt, messages or prompt_token_ids, and
 sampling parameters) with an optional "id" (default: "line-N"), or a line of another format the
 caller adds (`formats`: the CLI adds OpenAI's Batch API lines, app/gateway/openai_batch.py), detected
 line by line. The file is streamed, with at most
@@ -18,17 +18,17 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from weightq.batcher.sim.simulator import percentile
 from weightq.tasks.contract import job_key
-from weightq.tasks.schema import RequestError, parse_request
+from weightq.tasks.request import JobRequest, RequestError, parse_request
 
 from .jobs import Client
 
@@ -58,6 +58,11 @@ class Progress:
             "latency_p50_s": round(percentile(lat, 50), 3) if lat else None,
             "latency_p99_s": round(percentile(lat, 99), 3) if lat else None,
         }
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]) of a non-empty list."""
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else values[0]
 
 
 def done_ids(output: Path) -> set[str]:
@@ -108,8 +113,9 @@ class LineFormat(Protocol):
 
     def line_id(self, obj: dict, n: int) -> str: ...
 
-    def request(self, obj: dict) -> dict:
-        """The job request; raises RequestError (naming the field) for a line that cannot run."""
+    def request(self, obj: dict, priority: int | None) -> JobRequest:
+        """The line's job request, parsed (once) with the door's defaults and `priority` for a line
+        that names none (None: the contract's default); raises RequestError naming the field."""
         ...
 
     def done(self, line_id: str, obj: dict, job_id: str, result: dict) -> dict: ...
@@ -126,10 +132,11 @@ class JobLines:
     def line_id(self, obj: dict, n: int) -> str:
         return str(obj.get("id", f"line-{n}"))
 
-    def request(self, obj: dict) -> dict:
+    def request(self, obj: dict, priority: int | None) -> JobRequest:
         req = {k: v for k, v in obj.items() if k != "id"}
-        parse_request(req)
-        return req
+        if priority is not None:
+            req.setdefault("priority", priority)
+        return parse_request(req)
 
     def done(self, line_id: str, obj: dict, job_id: str, result: dict) -> dict:
         return {"id": line_id, "result": result}
@@ -206,12 +213,10 @@ class BatchRun:
                 continue
             job_id = f"batch-{self.run_tag}-{n}"
             try:
-                req = fmt.request(obj)
-                if self.priority is not None:
-                    req.setdefault("priority", self.priority)
+                req = replace(fmt.request(obj, self.priority), request_id=job_id)
                 while len(self.inflight) >= self.max_in_flight:
                     self.collect(wait=True)
-                self.client.submit(request_id=job_id, **req)
+                self.client.submit_many([req])
             except RequestError as e:
                 self.progress.refused += 1
                 self.fail(fmt.failed(line_id, obj, job_id, str(e), e.field))

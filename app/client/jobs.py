@@ -6,7 +6,8 @@
         print(text, end="")
     print(job.result(timeout=60)["usage"])
 
-Any process that can reach the Redis URL can do this; the worker may be on another machine.
+Any process that can reach the Redis URL can do this; the worker may be on another machine. The
+client loads no engine (no torch): `pip install weightq` is all a web app needs.
 """
 
 from __future__ import annotations
@@ -15,12 +16,10 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import redis
-from celery import Celery
-from weightq.engine.params import TokenLogprobs
 from weightq.redis_conn import Durable, connect, retrying
 from weightq.settings import Settings
 from weightq.tasks.contract import (
@@ -41,7 +40,9 @@ from weightq.tasks.contract import (
     outcome,
     stream_key,
 )
-from weightq.tasks.schema import broker_priority, parse_request
+from weightq.tasks.limits import broker_priority
+from weightq.tasks.request import JobRequest, parse_request
+from weightq.tasks.results import TokenLogprobs
 
 __all__ = ["Client", "Job", "JobFailed", "StreamEvent", "submit"]
 
@@ -62,7 +63,7 @@ class StreamEvent:
     def logprobs(self) -> TokenLogprobs | None:
         """A token's log-probability and top alternatives, when the job asked (`logprobs=k`)."""
         raw = self.data.get("lp")
-        return TokenLogprobs.from_json(json.loads(raw)) if raw else None
+        return TokenLogprobs.from_json(raw) if raw else None
 
 
 def _decode(entry_id, raw: dict) -> StreamEvent:
@@ -149,22 +150,6 @@ class Job:
         return await asyncio.get_running_loop().run_in_executor(None, self.result, timeout)
 
 
-class ClientCelery(Celery):
-    """The client's Celery app. Celery's Redis backend subscribes to a task's result channel at every
-    send, so that a later .get() cannot miss it: two more commands and a pub/sub message per job, for a
-    result weightq's callers read from the stream's end entry. AsyncResult.get() subscribes, then reads
-    the stored state, by itself when it is called, so sending skips it."""
-
-    def _get_backend(self):
-        backend = super()._get_backend()
-        backend.on_task_call = _no_subscription  # the instance only: the backend class stays Celery's
-        return backend
-
-
-def _no_subscription(producer, task_id) -> None:
-    return None
-
-
 class Client:
     def __init__(self, redis_url: str | None = None, *, settings: Settings | None = None) -> None:
         self.settings = settings or Settings.from_env()
@@ -180,11 +165,11 @@ class Client:
 
     @property
     def app(self):
+        """The client's Celery app, built (and Celery imported) when the first job is sent."""
         if self._app is None:
-            from weightq.celery import celery_config
+            from .celery_app import client_celery
 
-            self._app = ClientCelery("weightq-client")
-            self._app.config_from_object(celery_config(self.settings, self.url))
+            self._app = client_celery(self.settings, self.url)
         return self._app
 
     def submit(
@@ -195,28 +180,24 @@ class Client:
         request_id: str | None = None,
         **params,
     ) -> Job:
-        """Validate and enqueue; raises tasks.schema.RequestError (naming the field) for a bad request."""
-        request = {
-            k: v for k, v in {"prompt": prompt, "prompt_token_ids": prompt_token_ids, **params}.items() if v is not None
-        }
-        if request_id is not None:
-            request["request_id"] = request_id
+        """Check and enqueue (the fields of tasks/request.py's JobRequest); raises RequestError (naming
+        the field) for a bad request."""
+        request = {"prompt": prompt, "prompt_token_ids": prompt_token_ids, "request_id": request_id, **params}
         return self.submit_many([request])[0]
 
-    def submit_many(self, requests: list[dict], *, checked: bool = False) -> list[Job]:
-        """Enqueue several requests (the submit() fields as dicts) in two Redis round trips, however many:
-        one pipeline records every job, one publishes every message. A bad request raises RequestError
-        before anything is written (checked: the caller has validated each one). The gateway sends the
-        requests that arrive together this way."""
-        if not checked:
-            for request in requests:
-                parse_request(request)
-        ids = [r.get("request_id") or uuid.uuid4().hex for r in requests]
+    def submit_many(self, requests: Sequence[JobRequest | Mapping]) -> list[Job]:
+        """Enqueue several requests in two Redis round trips, however many: one pipeline records every
+        job, one publishes every message. A JobRequest was checked when it was built; a dict (the
+        submit() fields) is parsed here, and a bad one raises RequestError before anything is written.
+        The gateway sends the requests that arrive together this way."""
+        jobs = [r if isinstance(r, JobRequest) else parse_request(r) for r in requests]
+        ids = [job.request_id or uuid.uuid4().hex for job in jobs]
+        wire = [job.to_json() for job in jobs]
         now = repr(time.time())
         s = self.settings
         calls = [
             ([job_key(job_id), QUEUED], [json.dumps(r), now, s.result_ttl_s, job_id])
-            for job_id, r in zip(ids, requests, strict=True)
+            for job_id, r in zip(ids, wire, strict=True)
         ]
         # The request is kept with the job so that a worker can re-send a job whose message is lost
         # (app/worker/recovery.py): once this write is in, the job is accepted.
@@ -224,7 +205,7 @@ class Client:
         # message would leave it to the lost-job sweep. As with any broker, a publish retried after a
         # lost reply may deliver a message twice: delivery is at least once.
         retrying(lambda: self.durable.run_many(self.submit_script, calls), s.redis_retry_s, pause_s=0.2)
-        retrying(lambda: self._publish(ids, requests), s.redis_retry_s, pause_s=0.2)
+        retrying(lambda: self._publish(ids, wire), s.redis_retry_s, pause_s=0.2)
         return [Job(self, job_id) for job_id in ids]
 
     def _publish(self, ids: list[str], requests: list[dict]) -> None:
@@ -239,7 +220,7 @@ class Client:
                     argsrepr=args_repr(request),
                     kwargsrepr="{}",
                     producer=producer,
-                    priority=broker_priority(request),
+                    priority=broker_priority(request["priority"]),
                 )
 
     def job(self, job_id: str) -> Job:

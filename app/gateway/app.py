@@ -1,6 +1,6 @@
 """The HTTP gateway: OpenAI- and TGI-compatible routes in front of the Celery queue.
 
-    weightq gateway            # or: uvicorn --factory app.gateway:create_app
+    weightq gateway            # or: uvicorn --factory weightq.gateway:create_app
 
 Every generation request becomes a `weightq.generate` job; streaming responses follow the job's
 Redis stream. A client that disconnects cancels its job. Bad input is a 4xx whose JSON names the
@@ -18,7 +18,7 @@ from kombu.exceptions import OperationalError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from weightq.settings import Settings
 from weightq.tasks.contract import JobFailed
-from weightq.tasks.schema import RequestError
+from weightq.tasks.request import RequestError
 
 from . import openai_api, openai_routes, tgi_api, tgi_routes
 from .core import VERSION, Gateway

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import re
@@ -16,17 +17,17 @@ import redis
 from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from weightq.client import Client
-from weightq.engine.heap import freeze_startup_heap
 from weightq.metrics import WorkerCollector, live_workers
 from weightq.redis_conn import redacted
 from weightq.settings import Settings
 from weightq.tasks.contract import DEAD, HEARTBEATS, Replay, job_key, outcome
-from weightq.tasks.schema import ID_PATTERN
+from weightq.tasks.limits import ID_PATTERN, Door
+from weightq.tasks.request import JobRequest, parse_request
 
 from .errors import HTTPError
 from .hub import StreamHub
 from .limits import ClientLimits, ServingLimits
-from .priority import key_classes
+from .priority import caller_priority, key_classes
 from .submitter import Submitter
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,10 @@ class Gateway:
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
         self.hub = StreamHub(self.url, self.settings)
         await self.hub.start()
-        freeze_startup_heap()  # full collections then scan only what requests create
+        # Ready: what is alive now (libraries, routes) goes to the permanent generation, so full
+        # collections scan only what requests create (as the worker does: engine/heap.py).
+        gc.collect()
+        gc.freeze()
         log.info("weightq gateway: Redis %s, model %s", redacted(self.url), self.model)
         try:
             yield
@@ -102,7 +106,16 @@ class Gateway:
         except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, absurd nesting
             raise HTTPError(400, f"body is not valid JSON: {str(e)[:200]}", "body") from None
 
-    async def submit(self, job: dict) -> str:
+    def parse(self, request: Request, jobs: list[dict], door: Door) -> list[JobRequest]:
+        """A route's job requests (in the contract's field names), parsed once with the door's
+        defaults, at the caller's priority class, and refused (by field) when no live worker's
+        max_total_tokens leaves room for them."""
+        priority = caller_priority(request, self.key_classes)
+        limit = self.serving.max_total_tokens()
+        extra = {} if priority is None else {"priority": priority}
+        return [parse_request(job | extra, door, max_total_tokens=limit) for job in jobs]
+
+    async def submit(self, job: JobRequest) -> str:
         return await self.submitter.submit(job)
 
     def cancel_soon(self, job_id: str) -> None:
@@ -177,7 +190,7 @@ class Gateway:
             task.cancel()
             raise
 
-    async def start(self, request: Request, job: dict, streaming: bool) -> tuple[str, str]:
+    async def start(self, request: Request, job: JobRequest, streaming: bool) -> tuple[str, str]:
         """(job id, stream position): a new job, or, for a stream re-requested with `Last-Event-ID:
         <job id>/<entry id>` (the SSE ids we send), the same job from where the client left off."""
         resume = request.headers.get("last-event-id")

@@ -1,7 +1,8 @@
 """Limits at the gateway. Per client: concurrent requests and a request rate (token bucket); a
 client is its API key (or its address when the gateway has no keys), and exceeding either limit is a
-429 with Retry-After. Serving: what every worker would refuse (ServingLimits) is a 400 here. Either
-way the request never reaches the queue.
+429 with Retry-After. Serving: the workers' max_total_tokens (ServingLimits), against which the
+contract refuses a max_new_tokens that leaves no room for a prompt (JobRequest.check_room), a 400
+here. Either way the request never reaches the queue.
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-from .errors import HTTPError
 
 
 @dataclass
@@ -75,14 +74,3 @@ class ServingLimits:
             self._limit = min((n for n in limits if isinstance(n, int) and n > 0), default=0)
             self._at = now
         return self._limit
-
-    def check(self, job: dict, field: str) -> None:
-        """Refuse what every worker would refuse without a tokenizer: more output tokens than the
-        serving limit leaves room for (a prompt has at least one token). `field` is the client's name."""
-        limit = self.max_total_tokens()
-        n = job.get("max_new_tokens")
-        if limit and isinstance(n, int) and not isinstance(n, bool) and n > limit - 1:
-            raise HTTPError(
-                400, f"{field}: {n} leaves no room for a prompt within max_total_tokens {limit} (at most {limit - 1})",
-                field,
-            )  # fmt: skip

@@ -1,7 +1,8 @@
 """OpenAI's completions and chat completions, mapped onto weightq jobs and back.
 
-Requests become `weightq.generate` job requests (tasks/schema.py checks them further); anything
-OpenAI defines that weightq cannot honour is refused by name rather than silently ignored.
+A body becomes job requests in the contract's field names (the routes parse them, once, with the
+door's defaults: tasks/limits.py); anything OpenAI defines that weightq cannot honour is refused by
+name rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import json
 import time
 from json.encoder import encode_basestring_ascii
 
-from weightq.tasks.schema import RequestError, field_name
+from weightq.tasks.limits import MAX_LOGPROBS
+from weightq.tasks.request import RequestError, field_name
 
 # Accepted and ignored: they change nothing about the generation.
 IGNORED = {"user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls"}
@@ -53,7 +55,7 @@ def _common(body: dict, fields: set[str], served_model: str) -> dict:
     opts = body.get("stream_options")
     if opts is not None and (not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}):
         raise RequestError("stream_options", "must be an object with include_usage")
-    job: dict = {"temperature": 1.0}  # OpenAI's default; 0 is greedy
+    job: dict = {}
     for name in (*PASSED, *sorted(EXTRAS)):
         if body.get(name) is not None:
             job[name] = body[name]
@@ -98,16 +100,17 @@ def completion_job(body: dict, served_model: str) -> dict:
         job["prompt_token_ids"] = prompt
     else:
         raise RequestError("prompt", "must be a string, a list of token ids, or a list of those")
-    job["max_new_tokens"] = body.get("max_tokens") if body.get("max_tokens") is not None else 16
+    job["max_new_tokens"] = body.get("max_tokens")
     return job
 
 
-def echoes(body: dict, jobs: list[dict]) -> list[str] | None:
-    """With `echo: true`, each prompt's text as sent ("" for token ids: the result's tokens give it)."""
+def echoes(body: dict, prompts: list[str | None]) -> list[str] | None:
+    """With `echo: true`, each prompt's text as sent ("" for token ids: the result's tokens give it),
+    of the choices' prompts (`n` choices per prompt)."""
     if not body.get("echo"):
         return None
     n = body.get("n") or 1
-    return [job.get("prompt", "") for job in jobs[::n]]
+    return [prompt or "" for prompt in prompts[::n]]
 
 
 def completion_jobs(body: dict, served_model: str) -> list[dict]:
@@ -143,8 +146,9 @@ def chat_job(body: dict, served_model: str) -> dict:
     top = body.get("top_logprobs")
     if top is not None and not body.get("logprobs"):
         raise RequestError("top_logprobs", "needs logprobs: true")
-    if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20):
-        raise RequestError("top_logprobs", f"must be an integer between 0 and 20 (got {str(top)[:32]})")
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_LOGPROBS):
+        # checked here, not by the contract: the job's `logprobs` would name the wrong field
+        raise RequestError("top_logprobs", f"must be an integer between 0 and {MAX_LOGPROBS} (got {str(top)[:32]})")
     if body.get("logprobs"):
         job["logprobs"] = 0 if top is None else top
     _refuse_unless(body, "tools", (None, []))
@@ -153,9 +157,7 @@ def chat_job(body: dict, served_model: str) -> dict:
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages", "must be a non-empty list of messages")
     job["messages"] = [_message(i, m) for i, m in enumerate(messages)]
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    if limit is not None:
-        job["max_new_tokens"] = limit
+    job["max_new_tokens"] = body.get("max_completion_tokens", body.get("max_tokens"))
     return job
 
 

@@ -10,7 +10,8 @@ files written for another one.
 
 from __future__ import annotations
 
-from weightq.tasks.schema import RequestError, parse_request
+from weightq.tasks.limits import Door
+from weightq.tasks.request import JobRequest, RequestError, parse_request
 
 from . import openai_api
 
@@ -27,7 +28,7 @@ class OpenAIBatchLines:
     def line_id(self, obj: dict, n: int) -> str:
         return str(obj["custom_id"])
 
-    def request(self, obj: dict) -> dict:
+    def request(self, obj: dict, priority: int | None) -> JobRequest:
         if obj.get("method", "POST") != "POST":
             raise RequestError("method", f"must be POST (got {str(obj.get('method'))[:32]!r})")
         url = obj.get("url")
@@ -41,14 +42,16 @@ class OpenAIBatchLines:
         prompt = body.get("prompt") if isinstance(body, dict) else None
         if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
             raise RequestError("prompt", "a batch line takes one prompt (write one line per prompt)")
-        job = openai_api.chat_job(body, self.model) if URLS[url] else openai_api.completion_job(body, self.model)
-        job = {k: v for k, v in job.items() if v is not None}
-        parse_request(job)
-        return job
+        chat = URLS[url]
+        job = openai_api.chat_job(body, self.model) if chat else openai_api.completion_job(body, self.model)
+        if priority is not None:
+            job["priority"] = priority
+        return parse_request(job, Door.CHAT if chat else Door.COMPLETIONS)
 
     def done(self, line_id: str, obj: dict, job_id: str, result: dict) -> dict:
         chat = URLS[obj["url"]]
-        echo = None if chat else openai_api.echoes(obj["body"], [self.request(obj)])
+        prompt = None if chat else openai_api.completion_job(obj["body"], self.model).get("prompt")
+        echo = None if chat else openai_api.echoes(obj["body"], [prompt])
         body = openai_api.completion_response(job_id, self.model, result, chat=chat, echo=echo)
         return self._line(line_id, job_id, 200, body)
 

@@ -9,11 +9,12 @@ import json
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from weightq.tasks.contract import EntryType, outcome
+from weightq.tasks.limits import Door
+from weightq.tasks.request import JobRequest
 
 from . import openai_api, streams
 from .core import Gateway
 from .errors import HTTPError
-from .priority import prioritize
 from .streams import sse
 
 
@@ -37,16 +38,14 @@ def register(app: FastAPI, gw: Gateway) -> None:
 
     async def completions(request: Request, chat: bool) -> Response:
         body = await gw.body(request)
-        jobs = openai_api.chat_jobs(body, gw.model) if chat else openai_api.completion_jobs(body, gw.model)
-        prioritize(request, gw.key_classes, jobs)
-        for job in jobs:
-            gw.serving.check(job, "max_tokens")
+        asked = openai_api.chat_jobs(body, gw.model) if chat else openai_api.completion_jobs(body, gw.model)
+        jobs = gw.parse(request, asked, Door.CHAT if chat else Door.COMPLETIONS)
         if len(jobs) > 1:
             return await several(request, body, jobs, chat)
         job_id, last_id = await gw.start(request, jobs[0], bool(body.get("stream")))
         if not body.get("stream"):
             result = await gw.result(request, job_id)
-            echo = openai_api.echoes(body, jobs)
+            echo = openai_api.echoes(body, [job.prompt for job in jobs])
             return JSONResponse(openai_api.completion_response(job_id, gw.model, result, chat=chat, echo=echo))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         writer = openai_api.ChunkWriter(job_id, gw.model, chat=chat, resumed=last_id != "0-0")
@@ -67,7 +66,7 @@ def register(app: FastAPI, gw: Gateway) -> None:
 
         return await streams.stream(gw, job_id, chunks, last_id)
 
-    async def several(request: Request, body: dict, jobs: list[dict], chat: bool) -> Response:
+    async def several(request: Request, body: dict, jobs: list[JobRequest], chat: bool) -> Response:
         """Several choices (a list of prompts, or n > 1): one job each, answered together."""
         n = body.get("n") or 1
         if body.get("stream") and request.headers.get("last-event-id"):
@@ -75,7 +74,7 @@ def register(app: FastAPI, gw: Gateway) -> None:
         ids = list(await asyncio.gather(*(gw.submit(job) for job in jobs)))  # one group commit
         if not body.get("stream"):
             results = await gw.results(request, ids)
-            echo = openai_api.echoes(body, jobs)
+            echo = openai_api.echoes(body, [job.prompt for job in jobs])
             return JSONResponse(openai_api.completion_response(ids[0], gw.model, results, chat=chat, n=n, echo=echo))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         writer = openai_api.ChunkWriter(ids[0], gw.model, chat=chat)

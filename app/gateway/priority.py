@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import Request
-from weightq.tasks.schema import MAX_PRIORITY
+from weightq.tasks.limits import MAX_PRIORITY
 
 from .errors import HTTPError
 
@@ -29,10 +29,7 @@ def request_priority(header: str | None, key_class: int | None) -> int | None:
     return min(int(header), key_class) if key_class is not None else int(header)
 
 
-def prioritize(request: Request, classes: dict[str, int], jobs: list[dict]) -> None:
-    """Set the jobs' priority from the request (the Guard left the caller's key in its state)."""
+def caller_priority(request: Request, classes: dict[str, int]) -> int | None:
+    """The priority class of a request's jobs (the Guard left the caller's key in its state)."""
     key = getattr(request.state, "api_key", None)
-    priority = request_priority(request.headers.get("x-priority"), classes.get(key) if key else None)
-    if priority is not None:
-        for job in jobs:
-            job["priority"] = priority
+    return request_priority(request.headers.get("x-priority"), classes.get(key) if key else None)

@@ -12,7 +12,7 @@ import asyncio
 import logging
 
 from weightq.client import Client
-from weightq.tasks.schema import parse_request
+from weightq.tasks.request import JobRequest
 
 log = logging.getLogger(__name__)
 
@@ -21,16 +21,14 @@ class Submitter:
     def __init__(self, client: Client, max_batch: int = 512) -> None:
         self.client = client
         self.max_batch = max_batch
-        self._pending: list[tuple[dict, asyncio.Future[str]]] = []
+        self._pending: list[tuple[JobRequest, asyncio.Future[str]]] = []
         self._writer: asyncio.Task | None = None
 
-    async def submit(self, job: dict) -> str:
-        """The job's id once it is recorded and its message published. A bad request raises
-        RequestError (naming the field) here, for this request alone."""
-        request = {k: v for k, v in job.items() if v is not None}
-        parse_request(request)
+    async def submit(self, job: JobRequest) -> str:
+        """The job's id once it is recorded and its message published (the route checked the request
+        when it parsed it)."""
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._pending.append((request, future))
+        self._pending.append((job, future))
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write())
         return await future
@@ -39,7 +37,7 @@ class Submitter:
         while self._pending:
             batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
             try:
-                jobs = await asyncio.to_thread(self.client.submit_many, [r for r, _ in batch], checked=True)
+                jobs = await asyncio.to_thread(self.client.submit_many, [r for r, _ in batch])
             except Exception as e:  # Redis down beyond REDIS_RETRY_S: every request of the batch fails
                 for _, future in batch:
                     if not future.done():

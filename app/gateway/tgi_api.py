@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import random
 
-from weightq.tasks.schema import RequestError, field_name
+from weightq.tasks.limits import MAX_LOGPROBS
+from weightq.tasks.request import RequestError, field_name
 
 PARAMETERS = {
     "do_sample", "max_new_tokens", "repetition_penalty", "frequency_penalty", "return_full_text", "stop", "seed",
@@ -35,8 +36,9 @@ def _refuse_unless(params: dict, name: str, allowed: tuple) -> None:
 
 
 def job_request(body: object, stream: bool = False) -> tuple[dict, dict]:
-    """(job request, the TGI parameters) of a /generate body. Token log-probabilities are asked for
-    whenever TGI would show them: in details, and in every streamed token."""
+    """(job request in the contract's names, the TGI parameters) of a /generate body; the route parses
+    it with TGI's defaults (tasks/limits.py). Token log-probabilities are asked for whenever TGI would
+    show them: in details, and in every streamed token."""
     if not isinstance(body, dict):
         raise RequestError("body", "must be a JSON object")
     unknown = sorted(set(body) - {"inputs", "parameters", "stream"})
@@ -82,8 +84,10 @@ def job_request(body: object, stream: bool = False) -> tuple[dict, dict]:
         if best_of > 1 and params.get("seed") is not None:  # as TGI: each sample gets a seed of its own
             raise RequestError("parameters.seed", "must not be set when best_of > 1")
     top_n = params.get("top_n_tokens")
-    if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or not 0 <= top_n <= 20):
-        raise RequestError("parameters.top_n_tokens", f"must be an integer between 0 and 20 (got {str(top_n)[:32]})")
+    if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or not 0 <= top_n <= MAX_LOGPROBS):
+        raise RequestError(
+            "parameters.top_n_tokens", f"must be an integer between 0 and {MAX_LOGPROBS} (got {str(top_n)[:32]})"
+        )
     if stream or params.get("details") or top_n or (best_of or 1) > 1:  # best_of ranks by logprob
         job["logprobs"] = top_n or 0
     if params.get("decoder_input_details"):  # the prompt's tokens with their logprobs, in details.prefill
@@ -92,7 +96,6 @@ def job_request(body: object, stream: bool = False) -> tuple[dict, dict]:
         job["prompt_logprobs"] = 0
     if params.get("stop"):
         job["stop"] = params["stop"]
-    job.setdefault("max_new_tokens", 100)  # TGI's default
     return job, params
 
 

@@ -8,10 +8,10 @@ import asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from weightq.tasks.contract import EntryType, outcome
+from weightq.tasks.limits import Door
 
 from . import streams
 from .core import Gateway
-from .priority import prioritize
 from .streams import sse
 from .tgi_api import best_of_jobs, details, job_request, token, top_tokens
 
@@ -19,9 +19,7 @@ from .tgi_api import best_of_jobs, details, job_request, token, top_tokens
 def register(app: FastAPI, gw: Gateway) -> None:
     async def generate(request: Request, body: dict, *, as_list: bool) -> Response:
         job, params = job_request(body)
-        gw.serving.check(job, "parameters.max_new_tokens")
-        prioritize(request, gw.key_classes, [job])
-        samples = best_of_jobs(job, params.get("best_of") or 1)
+        samples = gw.parse(request, best_of_jobs(job, params.get("best_of") or 1), Door.TGI)
         ids = list(await asyncio.gather(*(gw.submit(j) for j in samples)))  # one group commit
         collected: list[tuple[dict, list[dict], list[list[dict]]]] = []
 
@@ -52,7 +50,7 @@ def register(app: FastAPI, gw: Gateway) -> None:
 
         def sequence_details(i: int) -> dict:
             result, tokens, tops = collected[i]
-            return details(result, tokens, samples[i].get("seed", params.get("seed")), tops if top_n else None)
+            return details(result, tokens, samples[i].seed, tops if top_n else None)
 
         out: dict = {"generated_text": prefix + collected[best][0]["text"]}
         if params.get("details") or as_list:
@@ -66,9 +64,8 @@ def register(app: FastAPI, gw: Gateway) -> None:
 
     async def generate_stream(request: Request, body: dict) -> Response:
         job, params = job_request(body, stream=True)
-        gw.serving.check(job, "parameters.max_new_tokens")
-        prioritize(request, gw.key_classes, [job])
-        job_id, last_id = await gw.start(request, job, True)
+        (parsed,) = gw.parse(request, [job], Door.TGI)
+        job_id, last_id = await gw.start(request, parsed, True)
         want_details = bool(params.get("details"))
         prefix = job["prompt"] if params.get("return_full_text") else ""
 

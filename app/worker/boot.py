@@ -21,6 +21,7 @@ from weightq.settings import Settings
 
 from .host import WorkerHost
 from .publisher import StreamPublisher
+from .to_engine import engine_config
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class EngineStep(bootsteps.StartStopStep):
             durable=Durable(client, settings.redis_wait_replicas, settings.redis_wait_timeout_ms),
         )
         publisher.metrics = EngineMetrics()
-        config = settings.engine_config()
+        config = engine_config(settings)
         config = replace(config, torch_threads=serving_threads(config))  # a core left to the serving path
         engine: AnyEngine
         if own_process(settings.engine_process, config):

@@ -16,7 +16,7 @@ import redis
 from weightq.engine import AnyEngine
 from weightq.settings import Settings
 from weightq.tasks.contract import HEARTBEATS
-from weightq.tasks.schema import JobSpec, RequestError
+from weightq.tasks.request import JobRequest, RequestError
 
 from . import loops
 from .inflight import InFlight
@@ -45,11 +45,11 @@ class WorkerHost:
         self._threads: list[threading.Thread] = []
 
     # ----- what the task calls -------------------------------------------------------------------
-    def run(self, job_id: str, spec: JobSpec, delivery_tag: str | None = None) -> dict:
+    def run(self, job_id: str, spec: JobRequest, delivery_tag: str | None = None) -> dict:
         return self.jobs.run(job_id, spec, delivery_tag)
 
     def fail(self, job_id: str, error: RequestError) -> None:
-        """A request the schema refused."""
+        """A request the contract refused."""
         self.jobs.fail(job_id, str(error), error.field)
 
     def fail_job(self, job_id: str, message: str) -> None:

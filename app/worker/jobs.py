@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import redis
 from celery.exceptions import Reject
-from weightq.engine import AnyEngine, GenerationRequest
+from weightq.engine import AnyEngine
 from weightq.redis_conn import Durable, retrying
 from weightq.settings import Settings
 from weightq.tasks.contract import (
@@ -31,10 +31,11 @@ from weightq.tasks.contract import (
     stream_key,
 )
 from weightq.tasks.generate import RequestRefused
-from weightq.tasks.schema import JobSpec
+from weightq.tasks.request import JobRequest
 
 from .inflight import InFlight
 from .publisher import SHUTDOWN, StreamPublisher
+from .to_engine import engine_request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -70,7 +71,7 @@ class JobRunner:
         self._lock = threading.Lock()
         self._runs: dict[str, threading.Event] = {}  # job id -> set when its run here ends
 
-    def run(self, job_id: str, spec: JobSpec, delivery_tag: str | None = None) -> dict:
+    def run(self, job_id: str, spec: JobRequest, delivery_tag: str | None = None) -> dict:
         with self._lock:
             original = self._runs.get(job_id)
             if original is None:
@@ -90,7 +91,7 @@ class JobRunner:
                 self._runs.pop(job_id, None)
             finished.set()
 
-    def _run(self, job_id: str, spec: JobSpec, delivery_tag: str | None) -> dict:
+    def _run(self, job_id: str, spec: JobRequest, delivery_tag: str | None) -> dict:
         s = self.settings
         run_id = uuid.uuid4().hex  # makes a retried BEGIN a no-op (tasks/contract.py)
         attempt, stored = self.retrying(
@@ -119,9 +120,7 @@ class JobRunner:
             raise DeadLettered(message)
         if attempt == -2:  # finished before, redelivered before its ack: the same result again
             return json.loads(stored)
-        request = GenerationRequest(
-            job_id, spec.prompt, spec.prompt_token_ids, spec.params, spec.messages, spec.priority
-        )
+        request = engine_request(job_id, spec)
         extra = {"attempt": int(attempt), "worker": self.hostname}
         self.publisher.annotations[job_id] = extra
         self.inflight.add(job_id, delivery_tag)

@@ -11,10 +11,9 @@ import time
 from collections.abc import Callable
 
 import redis
-from weightq.engine.params import DEFAULT_PRIORITY
 from weightq.settings import Settings
 from weightq.tasks.contract import QUEUED, RECOVER_LOCK, STARTED_HW, TASK_NAME, JobState, args_repr, job_key
-from weightq.tasks.schema import MAX_PRIORITY, broker_priority
+from weightq.tasks.limits import DEFAULT_PRIORITY, MAX_PRIORITY, broker_priority
 from weightq.transport import priority_queues
 
 log = logging.getLogger(__name__)
@@ -88,7 +87,7 @@ class LostJobSweeper:
                 queue=s.queue,
                 argsrepr=args_repr(request),
                 kwargsrepr="{}",
-                priority=broker_priority(request),
+                priority=broker_priority(_priority_of(raw)),
             )
         return lost
 
@@ -111,7 +110,9 @@ class LostJobSweeper:
 
 
 def _priority_of(request: bytes | None) -> int:
+    """The class of a job's stored request: the client stored JobRequest.to_json(), which always names
+    it (checked when the job was submitted)."""
     try:
-        return int(json.loads(request or b"{}").get("priority", DEFAULT_PRIORITY))
-    except (ValueError, TypeError, AttributeError):
+        return int(json.loads(request or b"{}")["priority"])
+    except (ValueError, TypeError, KeyError):
         return DEFAULT_PRIORITY

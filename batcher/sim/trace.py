@@ -8,6 +8,8 @@ import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ..request import DEFAULT_PRIORITY
+
 
 @dataclass(frozen=True, slots=True)
 class TraceRequest:
@@ -19,7 +21,7 @@ class TraceRequest:
     # (a system prompt); the rest of the input is the request's own
     prefix_group: str = ""
     prefix_len: int = 0
-    priority: int = 0  # its class, 0-9 (higher admitted first)
+    priority: int = DEFAULT_PRIORITY  # its class, 0-9 (higher admitted first)
 
 
 def sharegpt_like(
@@ -63,7 +65,7 @@ def mixed_priority(
 def load_trace(path: str | Path, max_new_tokens: int = 1024) -> list[TraceRequest]:
     """JSONL lines {"input_len": int, "output_len": int} with optional "max_new_tokens", "arrival_s",
     "prefix_group" + "prefix_len" (input tokens shared by the group's requests: prefix caching), and
-    "priority" (0-9)."""
+    "priority" (0-9, default 5 as a job's)."""
     out: list[TraceRequest] = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
@@ -78,7 +80,7 @@ def load_trace(path: str | Path, max_new_tokens: int = 1024) -> list[TraceReques
                     float(d.get("arrival_s", 0.0)),
                     str(d.get("prefix_group", "")),
                     int(d.get("prefix_len", 0)),
-                    int(d.get("priority", 0)),
+                    int(d.get("priority", DEFAULT_PRIORITY)),
                 )
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{lineno}: bad trace line ({e!r}): {line.strip()[:200]}") from e

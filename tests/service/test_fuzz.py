@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from weightq.cli.processes import GatewayProcess, WorkerProcess
 from weightq.gateway import openai_api, tgi_api
-from weightq.tasks.schema import FIELDS, RequestError, parse_request
+from weightq.tasks.limits import Door
+from weightq.tasks.request import FIELDS, RequestError, parse_request
 
 EXAMPLES = int(os.environ.get("WEIGHTQ_EXAMPLES", "150"))
 scalars = st.one_of(
@@ -57,7 +58,7 @@ def test_lone_surrogates_are_refused_by_field():
 
 
 def test_stop_token_ids_are_checked_by_field():
-    assert parse_request({"prompt": "a", "stop_token_ids": [3, 5]}).params.stop_token_ids == (3, 5)
+    assert parse_request({"prompt": "a", "stop_token_ids": [3, 5]}).stop_token_ids == (3, 5)
     for bad in ("7", [True], [-1], [2**31], list(range(65)), {"a": 1}):
         with pytest.raises(RequestError) as e:
             parse_request({"prompt": "a", "stop_token_ids": bad})
@@ -66,13 +67,16 @@ def test_stop_token_ids_are_checked_by_field():
 
 @settings(max_examples=EXAMPLES * 4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(request_dicts(FIELDS) | json_values)
-def test_schema_refuses_by_field_or_accepts(data):
+def test_contract_refuses_by_field_or_accepts(data):
+    from weightq.worker.to_engine import engine_request
+
     try:
-        spec = parse_request(data)
+        job = parse_request(data)
     except RequestError as e:
         assert e.field and str(e).startswith(e.field)
         return
-    spec.params.validate()  # what the schema accepts, the engine accepts too
+    assert parse_request(json.loads(json.dumps(job.to_json()))) == job  # the worker reads what was sent
+    engine_request("j", job)  # and gives it to its engine as it is
 
 
 @settings(max_examples=EXAMPLES * 4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -80,7 +84,7 @@ def test_schema_refuses_by_field_or_accepts(data):
 def test_openai_mapping_refuses_by_field_or_yields_a_valid_job(body, chat):
     try:
         job = openai_api.chat_job(body, "m") if chat else openai_api.completion_job(body, "m")
-        parse_request(job)
+        parse_request(job, Door.CHAT if chat else Door.COMPLETIONS)
     except RequestError as e:
         assert e.field
 
@@ -91,7 +95,7 @@ def test_openai_mapping_refuses_by_field_or_yields_a_valid_job(body, chat):
 def test_tgi_mapping_refuses_by_field_or_yields_a_valid_job(body):
     try:
         job, _ = tgi_api.job_request(body)
-        parse_request(job)
+        parse_request(job, Door.TGI)
     except RequestError as e:
         assert e.field
 

@@ -148,6 +148,6 @@ def test_x_priority_sets_the_job_class_and_is_checked(stack):
     kw = {"model": "builtin:tiny", "prompt": "now", "max_tokens": 2}
     done = stack.oai.completions.create(**kw, extra_headers={"X-Priority": "9"})
     assert _request_of(stack, done.id)["priority"] == 9
-    assert "priority" not in _request_of(stack, stack.oai.completions.create(**kw).id)  # the default class
+    assert _request_of(stack, stack.oai.completions.create(**kw).id)["priority"] == 5  # the default class, named
     bad = httpx.post(stack.base + "/v1/completions", json=kw, headers={**stack.headers, "X-Priority": "12"}, timeout=30)
     assert bad.status_code == 400 and "X-Priority" in bad.text

@@ -10,7 +10,7 @@ import sys
 import httpx
 import pytest
 import redis
-from weightq.celery import celery_config
+from weightq.celery_config import celery_config
 from weightq.cli.processes import ROOT, GatewayProcess, WorkerProcess
 from weightq.cli.redis_server import EmbeddedRedis
 from weightq.client import Client

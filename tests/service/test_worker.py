@@ -10,7 +10,7 @@ import pytest
 import redis
 from weightq.client import JobFailed
 from weightq.tasks.contract import job_key, stream_key
-from weightq.tasks.schema import RequestError
+from weightq.tasks.request import RequestError
 
 
 def stream_entries(url: str, job_id: str) -> list[dict]:

@@ -77,3 +77,24 @@ def test_up_with_flower_names_the_extra_when_flower_is_missing(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flower" else real(name, *a))
     with pytest.raises(SystemExit, match=r"pip install 'weightq\[flower\]'"):
         require_flower()
+
+
+def test_commands_that_run_an_engine_name_the_worker_extra_when_it_is_missing():
+    """`pip install weightq` alone serves a web app; `weightq generate` / `worker` / `up` then say what
+    to install, and so does importing the engine (as `celery -A weightq worker` does)."""
+    import subprocess
+    import sys
+
+    hide = "import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None; "
+    for command in (["generate", "x"], ["worker"], ["up"], ["demo"]):
+        code = hide + f"from weightq.cli import main; main({command!r})"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1 and "pip install 'weightq[worker]'" in out.stderr, (command, out.stderr[-2000:])
+        assert f"weightq {command[0]}: the engine needs torch, transformers" in out.stderr
+    out = subprocess.run([sys.executable, "-c", hide + "import weightq.engine"], capture_output=True, text=True)
+    assert "weightq's engine needs torch, which is not installed: pip install 'weightq[worker]'" in out.stderr
+
+
+def test_generate_checks_its_request_as_the_contract_does(capsys):
+    with pytest.raises(SystemExit, match=r"^weightq generate: top_p: must be a finite number"):
+        main(["generate", "x", "--top-p", "0"])

@@ -1,7 +1,10 @@
-"""Dependencies point one way: app -> tasks -> engine -> batcher. batcher/ is pure standard library.
+"""Dependencies point one way: the worker -> engine -> batcher; app -> tasks; tasks/ imports neither
+engine/ nor batcher/, so the web side (the client, the batch client, the gateway, the contract) never
+loads the engine or torch. batcher/ is pure standard library.
 
 Installed, the folders are one package: app/ is `weightq`, and tasks/, engine/, batcher/ and bench/ are
-`weightq.tasks`, `weightq.engine`, `weightq.batcher` and `weightq.bench` (pyproject.toml's package-dir)."""
+`weightq.tasks`, `weightq.engine`, `weightq.batcher` and `weightq.bench` (pyproject.toml's package-dir);
+the engine's dependencies are the `worker` extra."""
 
 import ast
 import re
@@ -108,6 +111,88 @@ def test_importing_batcher_loads_no_forbidden_module():
 
 def test_tasks_never_import_the_app():
     assert imports_of("tasks", {"app"}) == []
+
+
+def test_the_contract_imports_neither_the_engine_nor_the_batcher():
+    assert imports_of("tasks", {"engine", "batcher"}) == []
+
+
+WEB_SIDE = ("weightq.client", "weightq.client.batch", "weightq.gateway", "weightq.tasks")
+WORKER_SIDE = ("weightq.engine", "weightq.batcher", "weightq.worker", "weightq.celery")
+WORKER_EXTRA = ("torch", "transformers", "tokenizers", "safetensors")
+
+
+def under(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Every repository module -> the repository modules it may load: every import statement, also
+    inside functions and under TYPE_CHECKING; a module's parent packages load first."""
+    paths = {module_of(p)[0]: p for folder in FOLDERS for p in (ROOT / folder).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for mod, path in paths.items():
+        package = module_of(path)[1]
+        names = set(imported(path, package))
+        for node in ast.walk(ast.parse(path.read_text())):  # `from . import x`: x may be a module
+            if isinstance(node, ast.ImportFrom):
+                base = (package.rsplit(".", node.level - 1)[0] if node.level > 1 else package) if node.level else ""
+                module = ".".join(filter(None, (base, node.module)))
+                names |= {f"{module}.{a.name}" for a in node.names}
+        names |= {n.rsplit(".", i)[0] for n in set(names) for i in range(1, n.count(".") + 1)}
+        graph[mod] = {n for n in names if n in paths} - {mod}
+    return graph
+
+
+def test_the_web_side_never_imports_the_engine():
+    """What the client, the batch client, the gateway and the contract can reach, by any import."""
+    graph = _module_graph()
+    seen: dict[str, str] = {}  # module -> the module that imports it
+    todo = [m for m in graph if under(m, WEB_SIDE)]
+    seen.update({m: "" for m in todo})
+    while todo:
+        mod = todo.pop()
+        for dep in graph[mod] - set(seen):
+            seen[dep] = mod
+            todo.append(dep)
+    assert [f"{m} (imported by {seen[m]})" for m in sorted(seen) if under(m, WORKER_SIDE)] == []
+
+
+def test_a_web_app_imports_the_client_and_builds_the_gateway_without_the_engine():
+    """With the worker extra's packages unimportable (as after `pip install weightq`), and none of the
+    worker's modules loaded afterwards."""
+    code = f"""
+import sys
+for name in {(*WORKER_EXTRA, "xgrammar")!r}:
+    sys.modules[name] = None  # `import torch` now fails as if it were not installed
+from weightq.client import Client, submit
+from weightq.client.batch import run_batch
+from weightq.gateway import create_app
+from weightq.settings import Settings
+Client("redis://127.0.0.1:9/0").app  # the client's Celery app: built, not connected
+create_app(Settings(redis_url="redis://127.0.0.1:9/0"))
+heavy = {(*WORKER_EXTRA, *WORKER_SIDE)!r}
+loaded = [m for m in sys.modules if sys.modules[m] and any(m == h or m.startswith(h + ".") for h in heavy)]
+print(",".join(sorted(loaded)))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == ""
+
+
+def test_the_engine_dependencies_are_the_worker_extra():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+    def names(specs: list[str]) -> set[str]:
+        return {re.split(r"[\[<>=!;~ ]", spec, maxsplit=1)[0] for spec in specs}
+
+    assert not names(project["dependencies"]) & set(WORKER_EXTRA)  # `pip install weightq`: a web app
+    assert names(project["optional-dependencies"]["worker"]) == set(WORKER_EXTRA)
+    from weightq.cli.stack import WORKER_EXTRA as checked_by_the_cli
+
+    assert set(checked_by_the_cli) == set(WORKER_EXTRA)
+    assert '-e ".[dev,worker]"' in (ROOT / "Makefile").read_text()  # `make run` / `make test` install all
+    assert re.search(r"ARG EXTRAS=\S*worker", (ROOT / "Dockerfile").read_text())  # one image, a worker's too
 
 
 def _app_imports() -> dict[str, set[str]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import redis
 from pydantic import ValidationError
-from weightq.celery import celery_config
+from weightq.celery_config import celery_config
 from weightq.redis_conn import NotReplicated, is_transient, parse_sentinel
 from weightq.settings import Settings
 

@@ -1,8 +1,9 @@
 """Settings come from the environment, typed, with the variable named in every error."""
 
 import pytest
-from weightq.celery import celery_config
+from weightq.celery_config import celery_config
 from weightq.settings import Settings
+from weightq.worker.to_engine import engine_config
 
 
 def test_from_env_types_and_defaults():
@@ -17,8 +18,8 @@ def test_from_env_types_and_defaults():
     )
     assert s.max_batch_weight == 4096 and s.task_events is False and s.model == "/models/x"
     assert s.gpu_memory_fraction == 0.5 and s.redis_url == "" and s.concurrency == 128
-    assert s.engine_config().max_batch_weight == 4096
-    assert Settings.from_env({}).engine_config().max_batch_weight is None  # 0 means derive
+    assert engine_config(s).max_batch_weight == 4096
+    assert engine_config(Settings.from_env({})).max_batch_weight is None  # 0 means derive
 
 
 def test_bad_values_name_the_variable():

@@ -1,0 +1,47 @@
+"""What the worker gives its engine, in the engine's types: the EngineConfig of the Settings, and
+the GenerationRequest of a job request the contract checked (tasks/request.py). Nothing is checked
+again here or in the engine, which refuses only what needs the model (the prompt in tokens against
+the context and the KV budget, token ids against the vocabulary, a grammar that does not compile).
+The web side never imports this: Settings and the contract know nothing of the engine."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from weightq.engine import EngineConfig, GenerationRequest, SamplingParams
+from weightq.settings import Settings
+from weightq.tasks.request import JobRequest
+
+
+def engine_config(s: Settings) -> EngineConfig:
+    return EngineConfig(
+        model=s.model,
+        device=s.device,
+        dtype=s.dtype,
+        max_batch_weight=s.max_batch_weight or None,
+        max_batch_size=s.max_batch_size,
+        max_prefill_weight=s.max_prefill_weight,
+        max_input_length=s.max_input_length,
+        max_total_tokens=s.max_total_tokens,
+        cpu_kv_bytes=s.kv_cache_mb * 2**20,
+        gpu_memory_fraction=s.gpu_memory_fraction,
+        mode=s.batcher_mode,  # type: ignore[arg-type]
+        runner=s.runner,  # type: ignore[arg-type]
+        sim_step_cost=s.sim_step_cost,
+        prefix_cache=s.prefix_cache,
+        priority_headroom=s.priority_headroom,
+        compile=s.compile,  # type: ignore[arg-type]
+        torch_threads=s.torch_threads,
+    )
+
+
+# Every SamplingParams field but `guided` has a JobRequest field of the same name and meaning.
+SAME_NAMES = tuple(f.name for f in fields(SamplingParams) if f.name != "guided")
+
+
+def engine_request(job_id: str, job: JobRequest) -> GenerationRequest:
+    guided = (job.guided.kind, job.guided.spec) if job.guided is not None else None
+    params = SamplingParams(**{name: getattr(job, name) for name in SAME_NAMES}, guided=guided)
+    ids = list(job.prompt_token_ids) if job.prompt_token_ids is not None else None
+    chat = [{"role": m.role, "content": m.content} for m in job.messages] if job.messages is not None else None
+    return GenerationRequest(job_id, job.prompt, ids, params, chat, job.priority)

@@ -1,0 +1,347 @@
+"""The job request: one typed, frozen object, checked field by field when it is built; every refusal is
+a RequestError naming the field and its limit (tasks/limits.py holds every limit and each door's
+defaults).
+
+A job's request is parsed and checked once where it enters: the Python client, the gateway's routes,
+batch files and `weightq generate` call `parse_request` (or build a JobRequest) and pass the typed
+object on, never re-checking it. On the wire it is `JobRequest.to_json()`, a JSON object that the
+worker's task parses once more, because anyone who can reach Redis may send one by name. Nothing in
+it needs the model: what only a worker knows (the prompt in tokens, the vocabulary, the KV budget,
+whether a grammar compiles) the engine checks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .limits import (
+    DEFAULT_PRIORITY,
+    DEFAULTS,
+    GUIDED_KINDS,
+    ID_PATTERN,
+    INTEGERS,
+    MAX_GUIDED_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_VALUE,
+    MAX_MESSAGES,
+    MAX_PROMPT_CHARS,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    NUMBERS,
+    ROLES,
+    TOKEN_ID_LIMIT,
+    Door,
+)
+
+OPTIONAL = {"seed", "logprobs", "prompt_logprobs"}  # integer fields that may be None (unset)
+
+
+class RequestError(ValueError):
+    """A job request that breaks the contract; `field` names what is wrong."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+    def __reduce__(self):  # survives pickling and Celery's exception round trip
+        return (RequestError, (self.field, str(self).split(": ", 1)[-1]))
+
+
+def field_name(name: object) -> str:
+    """How an unknown field is named in an error: as sent, or quoted when it is blank or unprintable."""
+    name = str(name)
+    return name if name.strip() and name.isprintable() and len(name) <= 64 else repr(name[:64])
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One turn of a chat; the worker renders the chat with the model's template."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class Guided:
+    """Structured output: decoding follows a grammar. `spec` is the JSON schema as JSON text
+    (json_schema), "" (json_object: any JSON object) or the pattern (regex)."""
+
+    kind: str
+    spec: str
+
+    @classmethod
+    def from_json(cls, value: object) -> Guided:
+        """{"json_schema": schema or its JSON text}, {"json_object": true} or {"regex": pattern}."""
+        if not isinstance(value, Mapping) or len(value) != 1 or next(iter(value)) not in GUIDED_KINDS:
+            raise RequestError("guided", f"must be an object with one of {', '.join(GUIDED_KINDS)}")
+        kind, spec = next(iter(value.items()))
+        if kind == "json_object":
+            if spec is not True:
+                raise RequestError("guided", "json_object must be true")
+            return cls(kind, "")
+        if kind == "json_schema" and isinstance(spec, Mapping):
+            try:
+                spec = json.dumps(spec, sort_keys=True)  # one text per schema: the worker caches by it
+            except (TypeError, ValueError, RecursionError):
+                raise RequestError("guided", "json_schema must be a JSON schema") from None
+        return cls(kind, spec)
+
+    def to_json(self) -> dict[str, Any]:
+        return {self.kind: True if self.kind == "json_object" else self.spec}
+
+    def check(self) -> None:
+        if self.kind not in GUIDED_KINDS:
+            raise RequestError("guided", f"must be one of {', '.join(GUIDED_KINDS)} (got {str(self.kind)[:32]!r})")
+        if not isinstance(self.spec, str):
+            raise RequestError("guided", f"{self.kind} must be given as text (got {type(self.spec).__name__})")
+        if len(self.spec) > MAX_GUIDED_CHARS:
+            raise RequestError("guided", f"{len(self.spec)} characters exceeds {MAX_GUIDED_CHARS}")
+        _utf8("guided", self.spec)
+        if self.kind == "regex" and not self.spec:
+            raise RequestError("guided", "regex must be a non-empty string")
+        if self.kind == "json_object" and self.spec:
+            raise RequestError("guided", "json_object takes no schema (use json_schema)")
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.spec)
+            except (ValueError, RecursionError):
+                schema = None
+            if not isinstance(schema, dict):
+                raise RequestError("guided", "json_schema must be a JSON schema (an object, or its JSON text)")
+
+
+@dataclass(frozen=True, slots=True)
+class JobRequest:
+    """One generation job. Built from JSON (`parse_request`) or in Python, it accepts what JSON gives
+    (lists, objects, a string for `stop`) and keeps tuples, `Message`s and a `Guided`; a value that
+    breaks the contract raises RequestError naming the field. Frozen: `dataclasses.replace` makes a
+    checked copy (another seed, another priority)."""
+
+    # the prompt: exactly one of
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    messages: tuple[Message, ...] | None = None  # a chat, rendered with the model's chat template
+    # length
+    max_new_tokens: int = DEFAULTS[Door.JOB].max_new_tokens
+    min_tokens: int = 0  # EOS and stop_token_ids are held back until this many tokens are out
+    # sampling: temperature 0 is greedy; top_k 0 and top_p 1 are off; a seed makes a run reproducible
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), by token id
+    seed: int | None = None
+    # stopping
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # ids that end the job when sampled (finish reason "stop")
+    ignore_eos: bool = False
+    # outputs
+    logprobs: int | None = None  # each token's log-probability and this many top alternatives
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens
+    guided: Guided | None = None  # structured output
+    # scheduling and identity
+    priority: int = DEFAULT_PRIORITY  # its class on the scale of tasks/limits.py
+    request_id: str | None = None  # the job id; None: the client draws one
+
+    def __post_init__(self) -> None:
+        self._check_prompt()
+        self._check_numbers()
+        self._check_logit_bias()
+        self._check_stops()
+        self._check_guided()
+        if self.request_id is not None and (
+            not isinstance(self.request_id, str) or not ID_PATTERN.match(self.request_id)
+        ):
+            raise RequestError("request_id", "must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")
+
+    def _set(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)  # normalising a field of the frozen object being built
+
+    def _check_prompt(self) -> None:
+        given = [v for v in (self.prompt, self.prompt_token_ids, self.messages) if v is not None]
+        if len(given) != 1:
+            raise RequestError("prompt", "give exactly one of prompt, prompt_token_ids or messages")
+        if self.prompt is not None:
+            if not isinstance(self.prompt, str):
+                raise RequestError("prompt", f"must be a string (got {type(self.prompt).__name__})")
+            if len(self.prompt) > MAX_PROMPT_CHARS:
+                raise RequestError("prompt", f"{len(self.prompt)} characters exceeds {MAX_PROMPT_CHARS}")
+            _utf8("prompt", self.prompt)
+        if self.prompt_token_ids is not None:
+            ids = self.prompt_token_ids
+            if not isinstance(ids, list | tuple) or not ids:
+                raise RequestError("prompt_token_ids", "must be a non-empty list of integers")
+            if not all(_is_int(t) and 0 <= t < TOKEN_ID_LIMIT for t in ids):
+                raise RequestError("prompt_token_ids", "every entry must be an integer in [0, 2**31)")
+            self._set("prompt_token_ids", tuple(ids))
+        if self.messages is not None:
+            self._set("messages", _messages(self.messages))
+
+    def _check_numbers(self) -> None:
+        for name, allowed in INTEGERS.items():
+            v = getattr(self, name)
+            if v is None and name in OPTIONAL:
+                continue
+            if not _is_int(v):
+                raise RequestError(name, f"must be an integer (got {type(v).__name__})")
+            if v not in allowed:
+                raise RequestError(name, f"must be between {allowed.lo} and {allowed.hi} (got {v})")
+        if self.min_tokens > self.max_new_tokens:
+            raise RequestError(
+                "min_tokens", f"must be at most max_new_tokens {self.max_new_tokens} (got {self.min_tokens})"
+            )
+        for name, allowed in NUMBERS.items():
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or isinstance(v, bool):
+                raise RequestError(name, f"must be a number (got {type(v).__name__})")
+            x = _float(v)
+            if not math.isfinite(x) or x not in allowed:
+                raise RequestError(name, f"must be a finite number in {allowed} (got {x})")
+            self._set(name, x)
+        if not isinstance(self.ignore_eos, bool):
+            raise RequestError("ignore_eos", "must be true or false")
+
+    def _check_logit_bias(self) -> None:
+        """OpenAI's map of token id (a string in JSON) to a bias in [-100, 100]; kept as pairs by id."""
+        bias = self.logit_bias
+        pairs = bias.items() if isinstance(bias, Mapping) else bias
+        if not isinstance(bias, Mapping | list | tuple) or len(bias) > MAX_LOGIT_BIAS:
+            raise RequestError("logit_bias", f"must be an object of at most {MAX_LOGIT_BIAS} token ids to numbers")
+        out = []
+        for pair in pairs:
+            if not isinstance(pair, list | tuple) or len(pair) != 2:
+                raise RequestError("logit_bias", "must be an object of token ids to numbers")
+            key, value = pair
+            tok = int(key) if isinstance(key, str) and key.isdigit() and len(key) <= 10 else key
+            if not _is_int(tok) or not 0 <= tok < TOKEN_ID_LIMIT:
+                raise RequestError("logit_bias", f"keys must be token ids (got {str(key)[:32]!r})")
+            if not isinstance(value, int | float) or isinstance(value, bool) or not abs(value) <= MAX_LOGIT_BIAS_VALUE:
+                raise RequestError("logit_bias", f"values must be numbers in [-100, 100] (got {str(value)[:32]})")
+            out.append((tok, float(value)))
+        self._set("logit_bias", tuple(sorted(out)))
+
+    def _check_stops(self) -> None:
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, list | tuple) or len(stop) > MAX_STOP:
+            raise RequestError("stop", f"must be a string or a list of at most {MAX_STOP} strings")
+        if not all(isinstance(s, str) and 1 <= len(s) <= MAX_STOP_CHARS for s in stop):
+            raise RequestError("stop", f"every stop sequence must be a string of 1 to {MAX_STOP_CHARS} characters")
+        for s in stop:
+            _utf8("stop", s)
+        self._set("stop", tuple(stop))
+        ids = self.stop_token_ids
+        if not isinstance(ids, list | tuple) or len(ids) > MAX_STOP_TOKEN_IDS:
+            raise RequestError("stop_token_ids", f"must be a list of at most {MAX_STOP_TOKEN_IDS} token ids")
+        if not all(_is_int(t) and 0 <= t < TOKEN_ID_LIMIT for t in ids):
+            raise RequestError("stop_token_ids", "every entry must be an integer in [0, 2**31)")
+        self._set("stop_token_ids", tuple(ids))
+
+    def _check_guided(self) -> None:
+        if self.guided is None:
+            return
+        guided = self.guided if isinstance(self.guided, Guided) else Guided.from_json(self.guided)
+        guided.check()
+        if self.ignore_eos or self.min_tokens:
+            raise RequestError("guided", "cannot be combined with ignore_eos or min_tokens (the grammar ends it)")
+        self._set("guided", guided)
+
+    def check_room(self, max_total_tokens: int) -> None:
+        """Refuse what every worker would refuse without a tokenizer: more new tokens than a serving
+        limit of `max_total_tokens` (prompt + output) leaves room for, a prompt being at least one token."""
+        if max_total_tokens and self.max_new_tokens > max_total_tokens - 1:
+            raise RequestError(
+                "max_new_tokens",
+                f"{self.max_new_tokens} leaves no room for a prompt within max_total_tokens {max_total_tokens} "
+                f"(at most {max_total_tokens - 1})",
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        """The request as the task takes it: the fields that differ from their defaults, and always
+        max_new_tokens and priority (the door's default travels; the broker and recovery read the class)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v == f.default and f.name not in ("max_new_tokens", "priority"):
+                continue
+            if f.name == "messages":
+                v = [{"role": m.role, "content": m.content} for m in v]
+            elif f.name == "logit_bias":
+                v = {str(tok): bias for tok, bias in v}
+            elif f.name == "guided":
+                v = v.to_json()
+            elif isinstance(v, tuple):
+                v = list(v)
+            out[f.name] = v
+        return out
+
+
+FIELDS = frozenset(f.name for f in fields(JobRequest))
+
+
+def parse_request(data: object, door: Door = Door.JOB, *, max_total_tokens: int = 0) -> JobRequest:
+    """The checked request of a JSON object; raises RequestError naming the first bad field. A null
+    field counts as unset; `door` fills in its defaults (tasks/limits.py: DEFAULTS);
+    `max_total_tokens`, when known (the gateway reads it from the workers' heartbeats), refuses a
+    max_new_tokens that leaves no room for a prompt."""
+    if not isinstance(data, Mapping):
+        raise RequestError("request", f"must be a JSON object (got {type(data).__name__})")
+    unknown = sorted((str(k) for k in data if k not in FIELDS), key=str)
+    if unknown:
+        raise RequestError(field_name(unknown[0]), f"unknown field; accepted: {', '.join(sorted(FIELDS))}")
+    values = {k: v for k, v in data.items() if v is not None}
+    defaults = DEFAULTS[door]
+    values.setdefault("max_new_tokens", defaults.max_new_tokens)
+    values.setdefault("temperature", defaults.temperature)
+    job = JobRequest(**values)
+    job.check_room(max_total_tokens)
+    return job
+
+
+def _float(v: float) -> float:
+    try:
+        return float(v)
+    except OverflowError:  # an integer of hundreds of digits
+        return math.inf
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _utf8(name: str, text: str) -> None:
+    """JSON may carry lone surrogates (\\ud800) that no UTF-8 encoder accepts: Redis writes and the
+    tokenizer would fail on them later, far from the request. Refuse them here, by field."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(name, f"not valid Unicode text (a lone surrogate at character {e.start})") from None
+
+
+def _messages(messages: object) -> tuple[Message, ...]:
+    if not isinstance(messages, list | tuple) or not 1 <= len(messages) <= MAX_MESSAGES:
+        raise RequestError("messages", f"must be a list of 1 to {MAX_MESSAGES} messages")
+    out, total = [], 0
+    for i, m in enumerate(messages):
+        if isinstance(m, Mapping):
+            if set(m) - {"role", "content", "name"}:
+                raise RequestError(f"messages[{i}]", "must be an object with role and content (and optionally name)")
+            m = Message(m.get("role"), m.get("content"))  # type: ignore[arg-type]
+        if not isinstance(m, Message):
+            raise RequestError(f"messages[{i}]", "must be an object with role and content (and optionally name)")
+        if m.role not in ROLES:
+            raise RequestError(f"messages[{i}].role", f"must be one of {', '.join(ROLES)} (got {str(m.role)[:32]!r})")
+        if not isinstance(m.content, str):
+            raise RequestError(f"messages[{i}].content", f"must be a string (got {type(m.content).__name__})")
+        _utf8(f"messages[{i}].content", m.content)
+        total += len(m.content)
+        if total > MAX_PROMPT_CHARS:
+            raise RequestError("messages", f"more than {MAX_PROMPT_CHARS} characters in all")
+        out.append(m)
+    return tuple(out)
