@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from .blocks import BlockLedger
     from .config import BatcherConfig
     from .estimator import OutputLengthEstimator
+    from .fairness import TenantShares
     from .prefix import SharedBlocks
     from .reservations import Reservations
     from .weight import PaddedWeight, TokenWeight
@@ -44,6 +45,7 @@ class Accounting:
     REBUILD_AFTER: int
 
     _typical: int
+    tenants: TenantShares
     _pinned: int
     _windows_len: tuple[int, ...]
     _idle: bool
@@ -93,7 +95,9 @@ class Accounting:
 
     # ----- projection entries ---------------------------------------------------------------------
     def _release(self, req: Request) -> None:
-        self._committed -= self._own_final(req)
+        own = self._own_final(req)
+        self._committed -= own
+        self.tenants.weight[req.tenant] -= own
         self.reservations.forget(req.id)
         self._prefilling.pop(req.id, None)
         if req.shared:
@@ -356,6 +360,7 @@ class Accounting:
                 old = self._own_final(req)
                 req.reserved_new = self.reservations.reserve(req)
                 self._committed += self._own_final(req) - old
+                self.tenants.weight[req.tenant] += self._own_final(req) - old
                 self.reservations.track(req)
                 self._set_entry(req.id, self._decoding_entry(req))
                 self._running_changed()
@@ -372,7 +377,7 @@ class Accounting:
             self.estimator.tighten()
         return preempted
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, enqueue: bool = True) -> None:
         """Send a running request back to the queue; it keeps its tokens and is prefilled again."""
         del self.running[req.id]
         self._release(req)
@@ -381,4 +386,5 @@ class Accounting:
         req.preemptions += 1
         req.prefilled = 0
         req.decoding = False
-        self._enqueue(req)
+        if enqueue:
+            self._enqueue(req)

@@ -23,6 +23,7 @@ from .accounting import Accounting
 from .blocks import BlockLedger
 from .config import BatcherConfig
 from .estimator import OutputLengthEstimator
+from .fairness import TenantShares
 from .prefix import SharedBlocks
 from .projection import Entry, PaddedProfile, TokenProfile
 from .request import TOP_PRIORITY, Request, RequestRejected
@@ -114,6 +115,7 @@ class Batcher(Accounting):
         # prefix cache with window kinds: their windows (in tokens), and pages pinned this step for copies
         self._windows_len = tuple(cfg.windows)
         self._pinned = 0
+        self.tenants = TenantShares()  # fairness between tenants within a class
 
     # ----- queue operations -------------------------------------------------------------------
     def check(self, req: Request) -> None:
@@ -143,6 +145,7 @@ class Batcher(Accounting):
 
     def submit(self, req: Request) -> None:
         self.check(req)
+        self.tenants.arrive(req.tenant)
         self._order[req.id] = (-req.priority, req.arrival_s, self._seq)
         self._classes.add(req.priority)
         self._seq += 1
@@ -160,6 +163,7 @@ class Batcher(Accounting):
                     break
         if req is not None:
             del self._order[req.id]
+            self.tenants.leave(req.tenant)
             self._idle = False
         return req
 
@@ -175,6 +179,7 @@ class Batcher(Accounting):
         req = self.running.pop(request_id)
         self._release(req)
         del self._order[req.id]
+        self.tenants.leave(req.tenant)
         if self.estimator is not None and not req.runs_to_max:
             self.estimator.observe(req.generated)
             self.estimator.relax()
@@ -225,7 +230,13 @@ class Batcher(Accounting):
             req.generated += 1
             emitted.append(req)
         self.stats.generated_tokens += len(emitted)
+        if self.config.fairness and self.tenants.contended:
+            self.tenants.charge(running.values(), self._held)
         return emitted
+
+    def _held(self, req: Request) -> int:
+        """The weight a running request holds now (what its tenant pays per step)."""
+        return self.weight.own(req.context_len, req.shared)
 
     # ----- internals ----------------------------------------------------------------------------
     def _enqueue(self, req: Request) -> None:
@@ -316,17 +327,37 @@ class Batcher(Accounting):
         first_idx = 0
         taken: list[int] = []
         refused: list[tuple[int, int, int, int]] = []
-        for idx, cand in enumerate(self.waiting):
+        tenants = self.tenants
+        fair = cfg.fairness and tenants.contended
+        candidates = (
+            tenants.order(self.waiting, lambda r: order[r.id][0], self._held) if fair else enumerate(self.waiting)
+        )
+        evicted: list[Request] = []  # preempted for a tenant below its share: back to the queue below
+        capped: set[str] = set()  # tenants that admit nothing more in this pass (their cap, a jump rule)
+        blocked: dict[str, Request] = {}  # each tenant's first request that did not fit in this pass
+        for scanned, (idx, cand) in enumerate(candidates):
             if size_cap and len(self.running) >= size_cap:
                 break
+            if cand.tenant in capped or (
+                cfg.tenant_cap and fair and tenants.weight[cand.tenant] >= cfg.tenant_cap * self.budget
+            ):
+                continue  # its tenant has its share: the others' requests may still start
             if first_blocked is not None and (
-                cfg.jump_window_s <= 0
-                or idx - first_idx > cfg.jump_scan
-                or cand.arrival_s - first_blocked.arrival_s > cfg.jump_window_s
-                or now - first_blocked.arrival_s > cfg.max_wait_s
+                scanned - first_idx > cfg.jump_scan
                 or order[cand.id][0] != order[first_blocked.id][0]  # a lower class never jumps a higher one
             ):
                 break
+            # the jump rules hold in arrival order: within a tenant when fairness orders the tenants
+            mine_blocked = blocked.get(cand.tenant if fair else "")
+            if mine_blocked is not None and (
+                cfg.jump_window_s <= 0
+                or cand.arrival_s - mine_blocked.arrival_s > cfg.jump_window_s
+                or now - mine_blocked.arrival_s > cfg.max_wait_s
+            ):
+                if not fair:
+                    break
+                capped.add(cand.tenant)  # nothing more of this tenant jumps its blocked request
+                continue
             hits = self._lookup(cand)
             p = cand.prefill_left
             chunk = self._prefill_chunk(p, count, longest, total)
@@ -335,8 +366,9 @@ class Batcher(Accounting):
                 break  # this step's prefill budget is spent
             if chunk is None:  # a prompt over the cap runs only when prefilled alone
                 self._unlookup(cand)
+                blocked.setdefault(cand.tenant if fair else "", cand)
                 if first_blocked is None:
-                    first_blocked, first_idx = cand, idx
+                    first_blocked, first_idx = cand, scanned
                 continue
             res = self.reservations
             cand.reserved_new = res.reserve(cand)
@@ -356,15 +388,25 @@ class Batcher(Accounting):
             dominated = not hits and any(
                 c <= ctx and r <= res and f <= fix and c - f <= ctx - fix and b >= budget for c, r, f, b in refused
             )
+            if not dominated and fair and cfg.fair_preemption and not self._fits_quietly(cand, chunk, ahead):
+                self._make_room(cand, chunk, ahead, plan, evicted)
             if dominated or not self.fits(cand, chunk, ahead):
                 self._unlookup(cand)
                 if not dominated and not hits and len(refused) < 16:
                     refused.append((ctx, res, fix, budget))
+                blocked.setdefault(cand.tenant if fair else "", cand)
                 if first_blocked is None:
-                    first_blocked, first_idx = cand, idx
+                    first_blocked, first_idx = cand, scanned
                 continue
+            mine = tenants.weight[cand.tenant]
+            if cfg.tenant_cap and fair and mine and mine + self._own_final(cand) > cfg.tenant_cap * self.budget:
+                self._unlookup(cand)
+                capped.add(cand.tenant)  # its later requests wait behind this one (its own order is kept)
+                continue  # past its tenant's share (one request always may run): wait, holding no one back
             taken.append(idx)
             self._start(cand, chunk, ahead)
+            if fair:
+                tenants.counter[cand.tenant] += self._held(cand)  # its prompt is service too
             plan.admitted.append(cand)
             plan.prefill.append((cand, chunk))
             self._allocate(cand, cand.prefilled + chunk)
@@ -375,6 +417,60 @@ class Batcher(Accounting):
             self.waiting = [r for i, r in enumerate(self.waiting) if i not in drop]
         else:
             self._idle = True
+        for req in evicted:
+            self._enqueue(req)
+
+    def _fits_quietly(self, req: Request, chunk: int, ahead: int) -> bool:
+        """fits() without counting it in the statistics (a check before making room)."""
+        stats = (self.stats.admitted_fast, self.stats.admitted_projected, self.stats.rejected_projected)
+        ok = self.fits(req, chunk, ahead)
+        self.stats.admitted_fast, self.stats.admitted_projected, self.stats.rejected_projected = stats
+        return ok
+
+    def _make_room(self, cand: Request, chunk: int, ahead: int, plan: StepPlan, evicted: list[Request]) -> None:
+        """`cand`'s tenant holds less than its fair share of the budget (an equal share among the
+        tenants with requests): preempt the newest requests of the tenants holding the most, the fewest
+        with which the projection admits `cand`, never leaving a victim's tenant holding less than
+        `cand`'s would (no swap between equals: two busy tenants never preempt each other back and
+        forth); or none, when no such set makes room."""
+        held, tenants = self.tenants.weight, self.tenants
+        mine = held[cand.tenant] + self._own_final(cand)
+        if mine > self.budget / len(tenants.held):
+            return
+        pool = [
+            r
+            for r in self.running.values()
+            if r.tenant != cand.tenant
+            and r.preemptions < self.config.max_preemptions
+            and not r.shared
+            and r.admitted_step < self.step
+        ]
+        pool.sort(key=lambda r: (held[r.tenant], r.admitted_step), reverse=True)
+        self._get_profile()  # entries brought up to date
+        entries = dict(self._entries)
+        entry = self._entry(cand, chunk, ahead)
+        left = dict(held)
+        victims: list[Request] = []
+        for r in pool:
+            own = self._own_final(r)
+            if left[r.tenant] - own < mine:
+                continue
+            left[r.tenant] -= own
+            victims.append(r)
+            del entries[r.id]
+            if self.weight.profile([*entries.values(), *self._shared_entries.values()]).admits(
+                entry, self._admit_budget
+            ):
+                break
+        else:
+            return
+        gone = {r.id for r in victims}
+        plan.prefill[:] = [(r, n) for r, n in plan.prefill if r.id not in gone]
+        plan.decode[:] = [r for r in plan.decode if r.id not in gone]
+        for r in victims:
+            self._preempt(r, enqueue=False)
+            plan.preempted.append(r)
+            evicted.append(r)
 
     def _prefill_chunk(self, prompt: int, count: int, longest: int, total: int) -> int | None:
         """Tokens of `prompt` to prefill this step given the chunks already planned: the whole prompt
@@ -397,6 +493,7 @@ class Batcher(Accounting):
         self.running[req.id] = req
         w = self._own_final(req)
         self._committed += w
+        self.tenants.weight[req.tenant] += w
         self.stats.prompt_tokens += req.context_len
         self.stats.cached_tokens += req.prefilled
         if not req.preemptions:

@@ -258,7 +258,13 @@ class Engine(StepOutputs, EngineStats):
         # An encoder-decoder's input is its encoder's: padded on its own, the batcher's fixed part.
         fixed = len(ids) if self.lm.seq2seq else 0
         sched = Request(
-            request.id, len(ids), params.max_new_tokens, arrival_s=now, fixed_len=fixed, priority=request.priority
+            request.id,
+            len(ids),
+            params.max_new_tokens,
+            arrival_s=now,
+            fixed_len=fixed,
+            priority=request.priority,
+            tenant=request.tenant,
         )
         sched.runs_to_max = params.ignore_eos and not params.stop and not params.stop_token_ids
         ledger = self.batcher.ledger

@@ -69,6 +69,7 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     messages: list[dict[str, str]] | None = None  # a chat, rendered with the tokenizer's chat template
     priority: int = DEFAULT_PRIORITY  # its class, 0-9: higher is admitted first (batcher/admission.py)
+    tenant: str = ""  # who it is for: tenants share a class by service received (batcher/fairness.py)
 
 
 @dataclass(frozen=True, slots=True)
