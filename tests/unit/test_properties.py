@@ -188,7 +188,7 @@ def test_weight_never_exceeds_budget_and_everyone_finishes(work):
     run = drive(b, reqs, stop_at, max_steps=bound + 200)  # asserts weight <= budget after every step
     assert len(run.finished) == len(reqs)
     check_jumps(b.config, reqs, run)
-    assert not b.running and not b.waiting and b._committed == 0
+    assert not b.running and not b.waiting and b.projector.committed == 0
 
 
 @SETTINGS
@@ -211,7 +211,7 @@ def test_predictive_mode_never_exceeds_budget(work, margin):
     stops = {f"a{k}": v for k, v in stop_at.items()}
     run = drive(b, first + reqs, stops | {r.id: r.max_new_tokens for r in reqs})
     assert len(run.finished) == 2 * len(reqs)
-    assert not b.running and b._committed == 0
+    assert not b.running and b.projector.committed == 0
 
 
 @SETTINGS
@@ -251,8 +251,8 @@ def test_profile_updated_in_place_matches_a_fresh_build(ops, cand, model, block,
 def assert_profile_follows(b: Batcher) -> None:
     """The profile, updated in place since the batcher started, equals one built from scratch and the
     brute-force load of the running set at every finish point."""
-    profile = b._get_profile()
-    assert set(b._entries) == set(b.running)
+    profile = b.projector.profile()
+    assert set(b.projector.entries) == set(b.running)
     for req in b.running.values():
         if req.decoding:  # a decoding request's entry stays what a rebuild would compute now
             expected = Entry(
@@ -262,8 +262,8 @@ def assert_profile_follows(b: Batcher) -> None:
                 True,
                 req.fixed_len,
             )
-            assert b._entries[req.id] == expected
-    entries = list(b._entries.values())
+            assert b.projector.entries[req.id] == expected
+    entries = list(b.projector.entries.values())
     fresh = b.weight.profile(entries)
     model, block, kinds = b.weight.name, b.weight.block_size, b.config.kinds
     for t in {b.step, *(e.finish for e in entries)}:
@@ -281,7 +281,7 @@ def assert_profile_follows(b: Batcher) -> None:
 def test_profile_follows_admissions_finishes_cancels_and_preemptions(work, mode, rebuild_after, rnd):
     cfg, reqs, stop_at = work
     b = Batcher(replace(cfg, mode=mode, predictive_min_samples=2))
-    b.REBUILD_AFTER = rebuild_after  # 0: every change rebuilds; 32: changes are applied in place
+    b.projector.REBUILD_AFTER = rebuild_after  # 0: every change rebuilds; 32: changes are applied in place
     # As in the predictive test: the first copies teach short lengths, the second run long (regrow, preempt).
     first = [Request(f"a{r.id}", r.input_len, r.max_new_tokens, r.arrival_s, fixed_len=r.fixed_len) for r in reqs]
     stops = {f"a{k}": v for k, v in stop_at.items()} | {r.id: r.max_new_tokens for r in reqs}
