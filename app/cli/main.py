@@ -154,7 +154,8 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from weightq.tasks.request import RequestError, parse_request
 
-    asked = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
+    given = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
+    asked = {k: v for k, v in given.items() if v is not None}  # unset: the door's defaults
     try:  # checked as any job is, before the model loads
         jobs = [parse_request({"prompt": p, "seed": args.seed, **asked}, Door.CLI) for p in args.prompts]
     except RequestError as e:
