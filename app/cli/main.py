@@ -277,7 +277,10 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     url = ensure_redis(settings)
     app = create_app(settings, url)
     server = uvicorn.Server(
-        uvicorn.Config(app, host=host, port=port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        # proxy_headers off: the app applies TRUSTED_PROXIES itself (however it is served)
+        uvicorn.Config(
+            app, host=host, port=port, log_level=args.log_level, timeout_graceful_shutdown=5, proxy_headers=False
+        )
     )
     stop = server.handle_exit
 
