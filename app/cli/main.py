@@ -11,6 +11,7 @@ from weightq.batcher.sim import POLICIES, StepCost, load_trace, sharegpt_like, s
 from weightq.tasks.limits import DEFAULTS, Door
 
 from .batch_cmd import batch_parser
+from .compose import compose_parser
 from .redis_server import ensure_redis
 from .stack import require_worker_extra, stack_parsers
 
@@ -302,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     _gateway_parser(sub)
     batch_parser(sub)
     stack_parsers(sub)
+    compose_parser(sub)
     return parser
 
 
