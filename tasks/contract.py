@@ -15,7 +15,8 @@ Keys (all expire; see Settings):
   weightq:started-hw   a hash: per priority class, the latest submission time of a job of that class
                        that has started (FIFO high-water marks: the broker keeps a list per class)
   weightq:dead         a list: JSON records of dead-lettered jobs (too many attempts), newest first
-  weightq:workers      a hash: each worker's heartbeat (its stats as JSON, with "ts")
+  weightq:workers      a hash: each worker's heartbeat (its stats as JSON, with "ts", "queue" and
+                       "served_model")
   weightq:cancel       a pub/sub channel: a running job's id, published when a client cancels it
 
 A reader reads the stream from 0-0, so attaching late misses nothing. A job restarted after its worker
