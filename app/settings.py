@@ -3,11 +3,12 @@ directory), typed and validated by pydantic-settings, with documented defaults."
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, DotEnvSettingsSource, EnvSettingsSource, SettingsConfigDict
 
 ENV_FILE = ".env"
@@ -95,6 +96,17 @@ class Settings(BaseSettings):
     served_model_name: str = ""  # the model name clients send and see (default: MODEL)
     max_body_bytes: int = 4 * 2**20  # larger request bodies get 413
     request_timeout_s: float = 600.0  # a job with no stream entry for this long is cancelled (504)
+    # Proxies whose X-Forwarded-For names the client (per-address limits, logs): addresses or networks,
+    # comma-separated, "*" (any), or "none"
+    trusted_proxies: str = "127.0.0.1"
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _addresses(cls, value: str) -> str:
+        for item in filter(None, (x.strip() for x in value.split(","))):
+            if item not in ("*", "none"):
+                ipaddress.ip_network(item)  # ValueError: reported by from_env() with the variable
+        return value
 
     @classmethod
     def settings_customise_sources(

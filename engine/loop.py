@@ -257,10 +257,15 @@ class Engine(StepOutputs, EngineStats):
             raise InvalidRequest("prompt", f"{len(ids)} tokens exceeds max_input_length {self.max_input_length}")
         # An encoder-decoder's input is its encoder's: padded on its own, the batcher's fixed part.
         fixed = len(ids) if self.lm.seq2seq else 0
+        # None: until the context limit, as OpenAI's chat API runs (predictive admission reserves
+        # the expected length, not all of it)
+        max_new = params.max_new_tokens
+        if max_new is None:
+            max_new = self.batcher.config.max_total_tokens - len(ids)
         sched = Request(
             request.id,
             len(ids),
-            params.max_new_tokens,
+            max_new,
             arrival_s=now,
             fixed_len=fixed,
             priority=request.priority,

@@ -26,7 +26,7 @@ class SamplingParams:
     whatever else shares the batch. Within the contract's limits (tasks/limits.py); the defaults serve
     callers of the engine itself (the worker sets every field)."""
 
-    max_new_tokens: int = 64
+    max_new_tokens: int | None = 64  # None: until the context limit (max_total_tokens less the prompt)
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0

@@ -19,6 +19,7 @@ from weightq.batcher.sim import (
 from weightq.tasks.limits import DEFAULTS, Door
 
 from .batch_cmd import batch_parser
+from .compose import compose_parser
 from .redis_server import ensure_redis
 from .stack import require_worker_extra, stack_parsers
 
@@ -172,7 +173,8 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from weightq.tasks.request import RequestError, parse_request
 
-    asked = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
+    given = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
+    asked = {k: v for k, v in given.items() if v is not None}  # unset: the door's defaults
     try:  # checked as any job is, before the model loads
         jobs = [parse_request({"prompt": p, "seed": args.seed, **asked}, Door.CLI) for p in args.prompts]
     except RequestError as e:
@@ -294,7 +296,10 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     url = ensure_redis(settings)
     app = create_app(settings, url)
     server = uvicorn.Server(
-        uvicorn.Config(app, host=host, port=port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        # proxy_headers off: the app applies TRUSTED_PROXIES itself (however it is served)
+        uvicorn.Config(
+            app, host=host, port=port, log_level=args.log_level, timeout_graceful_shutdown=5, proxy_headers=False
+        )
     )
     stop = server.handle_exit
 
@@ -316,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     _gateway_parser(sub)
     batch_parser(sub)
     stack_parsers(sub)
+    compose_parser(sub)
     return parser
 
 

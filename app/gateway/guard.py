@@ -19,6 +19,7 @@ KNOWN_ROUTES = {
     "/info",
     "/health",
     "/metrics",
+    "/metrics/cluster",
 }
 
 

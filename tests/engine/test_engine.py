@@ -213,6 +213,14 @@ def test_stop_token_ids_end_generation_keep_the_id_and_drop_its_text(tiny_loaded
     assert bad.reason == "error" and bad.error.startswith("stop_token_ids")
 
 
+def test_no_max_new_tokens_runs_to_the_context_limit(tiny_loaded):
+    """OpenAI's chat without max_tokens (tasks/limits.py: DEFAULTS) reaches the engine as None."""
+    engine = Engine(EngineConfig(check_invariants=True, max_total_tokens=48), loaded=tiny_loaded)
+    params = SamplingParams(max_new_tokens=None, ignore_eos=True)
+    done = engine.generate([GenerationRequest("ctx", prompt="The engine admits", params=params)])[0]
+    assert done.reason == "length" and done.prompt_tokens + done.completion_tokens == 48
+
+
 def test_bad_requests_fail_alone_with_errors_naming_the_field(tiny_loaded):
     """What needs the model (the contract checked the rest: tests/unit/test_request.py)."""
     engine = Engine(EngineConfig(check_invariants=True, max_total_tokens=128), loaded=tiny_loaded)

@@ -94,6 +94,15 @@ def test_each_door_has_its_defaults_and_an_explicit_value_wins():
     assert parse_request({"prompt": "x", "temperature": None}, Door.CHAT).temperature == 1.0  # null: unset
 
 
+def test_chat_runs_to_the_context_limit_and_null_asks_for_it_at_any_door():
+    chat = parse_request({"messages": [{"role": "user", "content": "x"}]}, Door.CHAT, max_total_tokens=64)
+    assert chat.max_new_tokens is None and DEFAULTS[Door.CHAT].max_new_tokens is None  # as OpenAI's chat API
+    assert parse_request(chat.to_json()).max_new_tokens is None  # the wire keeps it (the worker parses as a job)
+    assert parse_request({"prompt": "x", "max_new_tokens": None}, Door.COMPLETIONS).max_new_tokens is None
+    assert parse_request({"prompt": "x"}).max_new_tokens == 64  # absent: the door's default
+    assert parse_request({"prompt": "x", "max_new_tokens": None, "min_tokens": 500}).min_tokens == 500
+
+
 def test_one_priority_scale():
     assert (MIN_PRIORITY, DEFAULT_PRIORITY, MAX_PRIORITY) == (0, 5, 9)
     assert (BATCHER_DEFAULT, TOP_PRIORITY) == (DEFAULT_PRIORITY, MAX_PRIORITY)  # the batcher's mirror
