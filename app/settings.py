@@ -42,13 +42,13 @@ class Settings(BaseSettings):
         "auto"  # predictive on the paged runner, worst_case on the padded one; or either
     )
     runner: Literal["auto", "paged", "padded", "simulated"] = (
-        "auto"  # paged | padded | auto (padded for T5/BART ...) | simulated (a measuring tool: engine/simulated.py)
+        "auto"  # paged | padded | auto (padded for T5/BART ...) | simulated (a measuring tool: runner/simulated.py)
     )
     compile: Literal["auto", "on", "off"] = "auto"  # torch.compile the paged runner (auto: on for CPU)
     priority_headroom: float = 0.1  # share of the KV budget background classes (priority < 5) may not take
     prefix_cache: bool = True  # paged runner: reuse the KV of repeated prompt prefixes (PREFIX_CACHE=0: off)
     sim_step_cost: str = ""  # RUNNER=simulated (a measuring tool): "fixed_s,per_token_s,per_kv_token_s"
-    # The engine's intra-op threads; 0: cores - 1 on the CPU (engine/setup.py: serving_threads), 1 on CUDA or simulated
+    # The engine's intra-op threads; 0: cores - 1 on the CPU (builder.py: serving_threads), 1 on CUDA or simulated
     torch_threads: int = 0
     # The engine in a process of its own (engine/core_process.py): auto (on for CUDA, simulated, and a CPU
     # engine whose threads leave a core free), on, off

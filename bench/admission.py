@@ -30,7 +30,7 @@ RUNNING, WAITING = 256, 1024
 
 
 # Gemma 3's layout: one page per block for the full layer, 5 for the window layers, a ring of
-# ceil(511 / 16) + 1 = 33 blocks (engine/kv_cache.py).
+# ceil(511 / 16) + 1 = 33 blocks (engine/runner/kv_cache.py).
 GEMMA3_KINDS = ((1, 0), (5, 33))
 
 

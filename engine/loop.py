@@ -16,11 +16,12 @@ from collections.abc import Callable
 import torch
 from weightq.batcher import Request, RequestRejected, chain_keys
 
+from .builder import build, on_fresh_thread
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, StopMatcher, TokenTexts
 from .grammar import Grammars
 from .handle import Handle
-from .models import LoadedModel
+from .model import LoadedModel
 from .outputs import Deferred, StepOutputs
 from .params import (
     Event,
@@ -30,10 +31,9 @@ from .params import (
     InvalidRequest,
 )
 from .prompt import prompt_ids, render_chat
-from .runner import Work
+from .runner.base import Work
 from .sampling import sample
 from .sequence import Sequence
-from .setup import build, on_fresh_thread
 from .stats import EngineStats
 from .warmup import warm_up
 

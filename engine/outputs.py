@@ -20,7 +20,7 @@ from .sampling import RowLogprobs
 from .sequence import Sequence
 
 if TYPE_CHECKING:
-    from .models import LoadedModel
+    from .model import LoadedModel
 
 
 @dataclass(slots=True)

@@ -10,8 +10,8 @@ if TYPE_CHECKING:
     from weightq.batcher import Batcher
 
     from .config import EngineConfig
-    from .models import LoadedModel
-    from .runner import Runner
+    from .model import LoadedModel
+    from .runner.base import Runner
     from .sequence import Sequence
 
 

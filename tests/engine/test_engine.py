@@ -6,7 +6,7 @@ import threading
 
 import pytest
 from weightq.engine import Engine, EngineConfig, GenerationRequest, ModelNotFound, SamplingParams
-from weightq.engine.models import load_model
+from weightq.engine.model import load_model
 
 from tests.reference import assert_greedy_equal, mixed_requests, reference
 
