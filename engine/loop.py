@@ -22,7 +22,7 @@ from .detokenizer import IncrementalDetokenizer, StopMatcher, TokenTexts
 from .grammar import Grammars
 from .handle import Handle
 from .model import LoadedModel
-from .outputs import Deferred, StepOutputs
+from .outputs import Deferred, StepOutputs, replay
 from .params import (
     Event,
     FinishEvent,
@@ -241,7 +241,7 @@ class Engine(StepOutputs, EngineStats):
             self._check_invariants()
         return True
 
-    def _prepare(self, request: GenerationRequest, now: float) -> Sequence:
+    def _prepare(self, request: GenerationRequest, now: float) -> Sequence | FinishEvent:
         params = request.params
         ids = prompt_ids(self.tokenizer, self.config.model, request)
         if not ids:
@@ -277,19 +277,17 @@ class Engine(StepOutputs, EngineStats):
             # prompt log-probabilities need every prompt position's logits: computed, never cached
             sched.prefix = chain_keys(ids, ledger.block_size)
         self.batcher.check(sched)
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         seq = Sequence(
-            request,
-            sched,
-            ids,
-            len(ids),
-            IncrementalDetokenizer(self.tokenizer),
-            StopMatcher(params.stop),
-            gen,
-            now,
+            request, sched, ids, len(ids), IncrementalDetokenizer(self.tokenizer), StopMatcher(params.stop), now
         )
         if params.guided is not None:
             seq.grammar = self.grammars.guide(params.guided)  # compiled here, on the caller's thread
+        if request.emitted:
+            if any(not 0 <= t < self.logits_width for t in request.emitted):
+                raise InvalidRequest("emitted", f"every id must be a token id in [0, {self.logits_width})")
+            ended = replay(seq, request.emitted, request.emitted_logprobs, self.lm.eos_token_ids)
+            if ended is not None:
+                return self._finish_event(seq, ended)
         return seq
 
     def _drain(self) -> None:

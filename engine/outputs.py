@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .detokenizer import TokenTexts, push_many
-from .params import FinishEvent, FinishReason, TokenEvent, TokenLogprobs
+from .params import FinishEvent, FinishReason, InvalidRequest, TokenEvent, TokenLogprobs
 from .sampling import RowLogprobs
 from .sequence import Sequence
 
@@ -66,6 +66,8 @@ class StepOutputs:
             if not have:  # the first token: nothing predicts it
                 have.append(TokenLogprobs(self.token_texts(seq.token_ids[:1])[0], None))
             skip = len(have) - (first + 1)  # rows already recorded
+            # rows past the prompt (a preempted or resumed request prefills its output too) predict output
+            logits = logits[: max(0, seq.prompt_len - 1 - first)]
             if skip >= len(logits):
                 continue
             logits = logits[max(skip, 0) :]
@@ -88,11 +90,7 @@ class StepOutputs:
         """Detokenize and report a step's tokens now: one detokenizer pass for every token that has
         text; None marks an EOS or stop id that ends its request."""
         eos = self.lm.eos_token_ids
-        texting = [
-            i
-            for i, (s, t) in enumerate(zip(emitted, tokens, strict=True))
-            if (t not in eos or s.params.ignore_eos) and t not in s.params.stop_token_ids
-        ]
+        texting = [i for i, (s, t) in enumerate(zip(emitted, tokens, strict=True)) if _has_text(s, t, eos)]
         deltas: list[str | None] = [None] * len(emitted)
         pieces = push_many([emitted[i].detok for i in texting], [tokens[i] for i in texting])
         for i, piece in zip(texting, pieces, strict=True):
@@ -151,23 +149,7 @@ class StepOutputs:
     ) -> None:
         """Record a sampled token; `delta` is its new text, None for an EOS or stop id that ends the request."""
         req = _record(seq, token, lp, now)
-        reason: FinishReason | None = None
-        if delta is None:
-            reason, piece = ("stop" if token in seq.params.stop_token_ids else "eos"), ""
-        else:
-            piece, stopped = seq.stopper.feed(delta)
-            if stopped:
-                reason = "stop"
-            elif req.generated >= req.max_new_tokens:
-                reason = "length"
-        if reason in ("eos", "length") or (reason == "stop" and delta is None):
-            tail, stopped = seq.stopper.feed(seq.detok.flush())
-            piece += tail
-            if stopped:
-                reason = "stop"
-            else:
-                piece += seq.stopper.flush()
-        seq.text += piece
+        piece, reason = _settle(seq, token, delta)
         self._emit(TokenEvent(seq.id, req.generated - 1, token, piece, lp))
         if reason is not None:
             self._finish(seq, reason)
@@ -198,7 +180,52 @@ def _record(seq: Sequence, token: int, lp: TokenLogprobs | None, now: float):
     seq.token_ids.append(token)
     if lp is not None:
         seq.logprobs.append(lp)
-    req = seq.sched
-    if req.generated == 1:
+    if not seq.first_token_s:  # this run's first token (a resumed request's first new one)
         seq.first_token_s = now
-    return req
+    return seq.sched
+
+
+def _has_text(seq: Sequence, token: int, eos: frozenset[int]) -> bool:
+    """False for an EOS or stop id, which ends its request without text."""
+    return (token not in eos or seq.params.ignore_eos) and token not in seq.params.stop_token_ids
+
+
+def _settle(seq: Sequence, token: int, delta: str | None) -> tuple[str, FinishReason | None]:
+    """The text a recorded token adds to the output (stop strings held back or cut) and the reason it
+    ends the request, if it does; `delta` is its detokenized text, None for an EOS or stop id."""
+    reason: FinishReason | None = None
+    if delta is None:
+        reason, piece = ("stop" if token in seq.params.stop_token_ids else "eos"), ""
+    else:
+        piece, stopped = seq.stopper.feed(delta)
+        if stopped:
+            reason = "stop"
+        elif seq.sched.generated >= seq.sched.max_new_tokens:
+            reason = "length"
+    if reason in ("eos", "length") or (reason == "stop" and delta is None):
+        tail, stopped = seq.stopper.feed(seq.detok.flush())
+        piece += tail
+        if stopped:
+            reason = "stop"
+        else:
+            piece += seq.stopper.flush()
+    seq.text += piece
+    return piece, reason
+
+
+def replay(seq: Sequence, emitted: list[int], logprobs: list[TokenLogprobs] | None, eos: frozenset[int]):
+    """A resumed request: the tokens an earlier run of it emitted (and streamed) become its output so
+    far, as if it had just sampled them, with no events (readers have them): its text, stop matcher,
+    grammar and counts continue from there, and the batcher prefills them with the prompt. Returns
+    the reason they already end it, if they do (its end entry was all the earlier run missed)."""
+    reason: FinishReason | None = None
+    for i, token in enumerate(emitted):
+        if reason is not None or seq.sched.generated >= seq.sched.max_new_tokens:
+            raise InvalidRequest("emitted", f"{len(emitted)} tokens run past the end of the output (at {i})")
+        seq.sched.generated += 1
+        _record(seq, token, logprobs[i] if logprobs else None, 0.0)
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
+        delta = seq.detok.push(token) if _has_text(seq, token, eos) else None
+        reason = _settle(seq, token, delta)[1]
+    return reason

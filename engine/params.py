@@ -70,6 +70,10 @@ class GenerationRequest:
     messages: list[dict[str, str]] | None = None  # a chat, rendered with the tokenizer's chat template
     priority: int = DEFAULT_PRIORITY  # its class, 0-9: higher is admitted first (batcher/admission.py)
     tenant: str = ""  # who it is for: tenants share a class by service received (batcher/fairness.py)
+    # A resumed run: the output tokens an earlier run emitted, and their log-probabilities when it
+    # reported them. The engine prefills them with the prompt and continues at the next index.
+    emitted: list[int] = field(default_factory=list)
+    emitted_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,9 +2,11 @@
 
 Order as vLLM applies it: the grammar's token mask (structured output), logit bias and min_tokens,
 then the repetition (transformers' rule, over prompt and output), frequency and presence penalties
-(OpenAI's rule, over the output), temperature, top-k, top-p. Each row draws one uniform number —
-from its own generator when seeded — and picks its token by inverse CDF, so a seeded request samples
-the same tokens whatever else is in the batch.
+(OpenAI's rule, over the output), temperature, top-k, top-p. Each row draws one uniform number and
+picks its token by inverse CDF. A seeded request's number is a hash of (seed, output index), not a
+draw from a generator: it samples the same tokens whatever else is in the batch, and a run resumed
+after k tokens (another worker, after a crash) continues exactly where an uninterrupted run would,
+with nothing to replay.
 
 Log-probabilities are the model's own: log_softmax of the raw logits, before any of the above (as
 vLLM reports them by default), for the rows that ask, in one pass.
@@ -25,7 +27,6 @@ class Sampled(Protocol):
     params: SamplingParams
     token_ids: list[int]  # prompt + output so far
     prompt_len: int
-    generator: torch.Generator | None
     grammar: Any  # a grammar.Guide (structured output), or None
 
 
@@ -109,10 +110,26 @@ def _draw(logits: torch.Tensor, seqs: list[Sampled], default_generator: torch.Ge
     cdf = probs.cumsum(-1)
     u = torch.rand(len(seqs), generator=default_generator, dtype=cdf.dtype)
     for j, s in enumerate(seqs):
-        if s.generator is not None:
-            u[j] = torch.rand(1, generator=s.generator, dtype=cdf.dtype)[0]
+        if s.params.seed is not None:
+            u[j] = seeded_uniform(s.params.seed, len(s.token_ids) - s.prompt_len)
     pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_(max=vocab - 1)
     return order.gather(1, pick).squeeze(1)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit integers whose outputs look independent."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, index: int) -> float:
+    """The uniform number in [0, 1) a request seeded `seed` draws for its output token `index`: 24
+    bits (exact in float32) of a counter-based hash, the same on every device, process and resume."""
+    return (_mix64(_mix64(seed & _MASK64) ^ index) >> 40) / (1 << 24)
 
 
 def _logprobs(raw: torch.Tensor, seqs: list[Sampled], tokens: torch.Tensor) -> list[RowLogprobs | None] | None:

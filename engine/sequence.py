@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from weightq.batcher import Request
 
 from .detokenizer import IncrementalDetokenizer, StopMatcher
@@ -20,7 +19,6 @@ class Sequence:
     prompt_len: int
     detok: IncrementalDetokenizer
     stopper: StopMatcher
-    generator: torch.Generator | None
     submitted_s: float
     text: str = ""
     admitted_s: float = 0.0
