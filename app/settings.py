@@ -63,7 +63,10 @@ class Settings(BaseSettings):
     stream_ttl_s: int = 3600  # a stream expires this long after its end (or 1 day after its start)
     result_ttl_s: int = 86_400
     shutdown_grace_s: float = 30.0  # warm shutdown: finish running generations this long, then requeue
-    max_attempts: int = 3  # a job started this many times without finishing is dead-lettered
+    # a job is dead-lettered once its worker died this many times while running it; after one crash
+    # fewer it runs alone, so the last crash is its own (app/worker/reaper.py)
+    max_attempts: int = Field(3, ge=2)
+    lease_ttl_s: float = Field(2.0, gt=0)  # a worker silent this long, with no connection left, is dead
     redis_retry_s: float = 60.0  # a worker waits this long for Redis to come back before failing a job
     recover_interval_s: float = 5.0  # how often a worker looks for jobs whose message was lost
     lost_job_grace_s: float = 30.0  # ... among jobs queued at least this long

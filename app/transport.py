@@ -13,8 +13,10 @@ restored by the visibility sweep of whichever worker runs next).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+import uuid
 
 import redis
 from kombu.transport import redis as kombu_redis
@@ -74,12 +76,19 @@ class BatchedQoS(kombu_redis.QoS):
 
 
 class StaleChannelSafe:
-    """The ack and reject of a message whose channel went with an old broker connection; and a
-    consumer that takes a burst of messages in one round trip instead of one BRPOP each."""
+    """The ack and reject of a message whose channel went with an old broker connection; a consumer
+    that takes a burst of messages in one round trip instead of one BRPOP each; and restored messages
+    under a fresh delivery tag."""
 
     do_restore = False
     QoS = BatchedQoS
     _take = None
+
+    def _do_restore_message(self, payload, exchange, routing_key, pipe, leftmost=False):
+        # The run the message was taken from may still ack (or reject) its old tag later (a paused
+        # worker taken for dead): that must not delete the record of the delivery that replaced it.
+        _fresh_tag(payload)
+        return super()._do_restore_message(payload, exchange, routing_key, pipe, leftmost)
 
     def _brpop_read(self, **options):
         # BRPOP is a write: a master that lost its replicas (min-replicas-to-write) answers
@@ -142,6 +151,44 @@ class StaleChannelSafe:
             pipe.zrem(self.unacked_index_key, delivery_tag)
             pipe.hdel(self.unacked_key, delivery_tag)
             pipe.execute()
+
+
+def _fresh_tag(payload: dict) -> None:
+    with contextlib.suppress(KeyError, TypeError):
+        payload["properties"]["delivery_tag"] = str(uuid.uuid4())
+
+
+def restore_unacked(client: redis.Redis, tags: list[str]) -> list[str]:
+    """Put the unacked messages with these delivery tags back at the head of their queue lists (as
+    kombu restores the messages a visibility timeout expired), each under a fresh tag; returns the
+    task ids restored. Each in a WATCH transaction: two workers restoring one tag restore it once."""
+    unacked, index = kombu_redis.Channel.unacked_key, kombu_redis.Channel.unacked_index_key
+    restored = []
+    for tag in tags:
+
+        def restore(pipe, tag=tag):
+            raw = pipe.hget(unacked, tag)
+            pipe.multi()
+            pipe.zrem(index, tag)
+            pipe.hdel(unacked, tag)
+            if raw is None:
+                return None  # acked, or restored already
+            message, _, routing_key = kombu_redis.loads(kombu_redis.bytes_to_str(raw))
+            with contextlib.suppress(KeyError, TypeError):
+                message["headers"]["redelivered"] = True
+                message["properties"]["delivery_info"]["redelivered"] = True
+            _fresh_tag(message)
+            try:
+                priority = min(max(int(message["properties"]["priority"]), 0), 9)
+            except (KeyError, TypeError, ValueError):
+                priority = 0
+            pipe.rpush(priority_queues(routing_key)[priority], kombu_redis.dumps(message))  # taken next
+            return message.get("headers", {}).get("id") or tag
+
+        job = client.transaction(restore, unacked, value_from_callable=True)
+        if job is not None:
+            restored.append(job)
+    return restored
 
 
 def priority_queues(queue: str) -> list[str]:

@@ -3,25 +3,34 @@ import it; nothing else spells a key, an entry type or the task name.
 
 Keys (all expire; see Settings):
   weightq:stream:{id}  a Redis Stream of the job's entries, oldest first:
-      {"type": "attempt", "attempt": n}                  written first by every run of the job
+      {"type": "attempt", "attempt": n, "from": k}       written first by every run of the job: it
+                                                         resumes after the k tokens already in the stream
       {"type": "token", "i": index, "text": delta, "id": token id, "ts": engine emit time (unix s)}
           and, when the request asks for logprobs, "lp": JSON [token text, logprob, top ids, top
           tokens, top logprobs] (the model's log_softmax, best first)
       {"type": "end", "reason": ..., "result": JSON}     the last entry of a finished job
       {"type": "error", "message": ..., "field": ...}    the last entry of a failed job
-  weightq:job:{id}     a hash: state (queued | running | done | cancelled), attempt, cancel, result,
-                       error and field (a failed job), request and queued_at (for recovery)
+  weightq:job:{id}     a hash: state (queued | running | done | cancelled), attempt (runs begun: the
+                       fence of stream writes), crashes (worker deaths charged to it), run and owner
+                       (the run and worker instance that began it last), charged (the last dead run
+                       counted), cancel, result, error and field (a failed job), request and queued_at
   weightq:queued       a sorted set: ids of jobs submitted and not yet started, by submission time
   weightq:started-hw   a hash: per priority class, the latest submission time of a job of that class
                        that has started (FIFO high-water marks: the broker keeps a list per class)
   weightq:dead         a list: JSON records of dead-lettered jobs (too many attempts), newest first
   weightq:workers      a hash: each worker's heartbeat (its stats as JSON, with "ts", "queue" and
                        "served_model")
+  weightq:leases       a hash: each worker instance (hostname/random) that may hold jobs -> its hostname
+  weightq:lease:{instance}         a key that lives while the instance renews it (LEASE_TTL_S)
+  weightq:held:{instance}          a set: the delivery tags of the messages the instance holds
+  weightq:engine-jobs:{instance}   a set: the jobs inside the instance's engine (charged if it dies)
   weightq:cancel       a pub/sub channel: a running job's id, published when a client cancels it
 
-A reader reads the stream from 0-0, so attaching late misses nothing. A job restarted after its worker
-died writes a new attempt entry and regenerates its tokens from index 0; `Replay` drops the ones a
-reader already has (greedy and seeded runs regenerate the same tokens).
+A reader reads the stream from 0-0, so attaching late misses nothing. A job that runs again after its
+worker died (or went back to the queue) resumes: its new attempt entry says how many tokens the stream
+holds, the run continues from them at the next index, and stream writes of any earlier run are refused
+from the moment the new one begins (WRITE_BATCH's fence). So every index is written once and the
+tokens' texts join into the result's text; `Replay` only guards readers against anything else.
 
 The task `TASK_NAME` takes a request's JSON (tasks/request.py: `JobRequest.to_json()`) and returns
 `result_dict`'s shape (with "logprobs", one "lp" list per output token, and "prompt_logprobs" with
@@ -32,6 +41,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -47,12 +57,13 @@ STARTED_HW = "weightq:started-hw"
 DEAD = "weightq:dead"
 HEARTBEATS = "weightq:workers"
 RECOVER_LOCK = "weightq:recover-lock"
+LEASES = "weightq:leases"
 # One entry (MAXLEN 1) per batch of stream entries a worker writes: a reader following many streams
 # blocks on this one key and then reads them all, where a blocked XREAD of hundreds of keys cost a
 # full command to send and Redis 6 answered it with just the stream that woke it.
 STREAM_TICK = "weightq:stream-tick"
 RUNNING_STREAM_TTL_S = 86_400  # a running job's stream lives a day; once it ends, STREAM_TTL_S
-SINGLETONS = (CANCEL_CHANNEL, QUEUED, STARTED_HW, DEAD, HEARTBEATS, RECOVER_LOCK, STREAM_TICK)
+SINGLETONS = (CANCEL_CHANNEL, QUEUED, STARTED_HW, DEAD, HEARTBEATS, RECOVER_LOCK, STREAM_TICK, LEASES)
 
 
 def stream_key(job_id: str) -> str:
@@ -65,6 +76,18 @@ def job_key(job_id: str) -> str:
 
 def job_of_stream(key: str) -> str:
     return key.removeprefix(STREAM_PREFIX)
+
+
+def lease_key(instance: str) -> str:
+    return f"weightq:lease:{instance}"
+
+
+def held_key(instance: str) -> str:
+    return f"weightq:held:{instance}"
+
+
+def engine_jobs_key(instance: str) -> str:
+    return f"weightq:engine-jobs:{instance}"
 
 
 def writer_key(token: str) -> str:
@@ -134,7 +157,8 @@ def outcome(fields: Mapping[str, str]) -> dict | None:
 
 
 class Replay:
-    """Drops the tokens of a restarted job that a reader already has (by their index)."""
+    """Drops a token whose index a reader already has. Runs resume rather than restart and fenced
+    writes never double an index, so nothing is dropped today; it keeps readers exact regardless."""
 
     __slots__ = ("delivered",)
 
@@ -149,6 +173,38 @@ class Replay:
             return False
         self.delivered = i + 1
         return True
+
+
+@dataclass(slots=True)
+class Emitted:
+    """What a job's stream says its runs have emitted so far, in index order: the token ids, their
+    texts, and their log-probabilities as streamed ("lp" JSON, when the request asked for them)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[str] = field(default_factory=list)
+
+    def add(self, fields: Mapping[str, str]) -> None:
+        """A token entry; one at an index already held replaces it and what follows (a run that
+        restarted from there, as runs of older versions did)."""
+        i = int(fields["i"])
+        if i > len(self.token_ids):
+            raise ValueError(f"token {i} follows token {len(self.token_ids) - 1}: the stream was trimmed")
+        for held in (self.token_ids, self.texts, self.logprobs):
+            del held[i:]
+        self.token_ids.append(int(fields["id"]))
+        self.texts.append(fields.get("text", ""))
+        if "lp" in fields:
+            self.logprobs.append(fields["lp"])
+
+
+def emitted_tokens(entries: list[Mapping[str, str]]) -> Emitted:
+    """The tokens a job's stream holds (its entries' fields, oldest first)."""
+    out = Emitted()
+    for fields in entries:
+        if fields.get("type") == EntryType.TOKEN:
+            out.add(fields)
+    return out
 
 
 def field_of(message: str | None) -> str:
@@ -210,9 +266,11 @@ redis.call('ZADD', KEYS[2], 'NX', ARGV[2], ARGV[4])
 
 # Back to the queue at a worker's shutdown, listed as queued since `since` (see JobRunner._requeue);
 # unless its client cancelled it meanwhile (the flag is set even if the engine never heard of it):
-# then it ends here, cancelled, with what it had generated. Returns 1 when it ended, 0 when requeued.
-# KEYS: job hash, queued set, stream. ARGV: since, job id, result JSON, stream maxlen, stream ttl.
+# then it ends here, cancelled, with what it had generated. Returns 1 when it ended, 0 when requeued,
+# 2 when a later run has begun (this one's worker was taken for dead: nothing to do).
+# KEYS: job hash, queued set, stream. ARGV: since, job id, result JSON, stream maxlen, stream ttl, attempt.
 REQUEUE = """
+if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[6] then return 2 end
 if redis.call('HGET', KEYS[1], 'cancel') then
   redis.call('HSET', KEYS[1], 'state', 'cancelled', 'result', ARGV[3])
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'type', 'end', 'reason', 'cancelled', 'result', ARGV[3])
@@ -224,14 +282,19 @@ redis.call('ZADD', KEYS[2], ARGV[1], ARGV[2])
 return 0
 """
 
-# Start (or restart) a run: refuse a cancelled or finished job; dead-letter one that has been started
-# too often (a poison job that kills its worker every time); else bump the attempt and mark it.
-# A retry of the same run's BEGIN (its reply was lost, or replicas did not confirm it) is a no-op that
-# answers the same attempt: retries never count as attempts.
-# KEYS: job hash, stream, queued set, high-water mark, dead list.
+# Start (or resume) a run: refuse a cancelled or finished job; dead-letter one charged with
+# `max attempts` worker crashes (the last while it ran alone: see app/worker/reaper.py); else bump the
+# attempt (the fence: stream writes of any earlier run are refused from now on), record the run and
+# the worker instance, and mark the stream with where this run resumes (the index after its last
+# token). A job still 'running' from a run nobody charged (kombu's visibility timeout brought it back,
+# not a reaper) is charged here. A retry of the same run's BEGIN (its reply was lost, or replicas did
+# not confirm it) is a no-op answering the same: retries never count. Warm-shutdown requeues and
+# redeliveries are runs, never crashes.
+# KEYS: job hash, stream, queued set, high-water mark, dead list, the instance's held tags.
 # ARGV: stream maxlen, stream ttl, job ttl, max attempts, now, worker name, job id, cancelled result,
-# run id (unique per run), the job's priority class. Returns {attempt, '', the job's submission stamp}
-# for a run that starts, else {code < 0, the stored result or the dead letter's message}.
+# run id (unique per run), the job's priority class, worker instance, delivery tag ('' if none).
+# Returns {attempt, '', the job's submission stamp, crashes, resumed from} for a run that starts, else
+# {code < 0, the stored result or the dead letter's message}: -1 cancelled, -2 done, -3 dead-lettered.
 BEGIN = """
 local state = redis.call('HGET', KEYS[1], 'state')
 redis.call('ZREM', KEYS[3], ARGV[7])
@@ -244,33 +307,82 @@ if state == 'cancelled' or redis.call('HGET', KEYS[1], 'cancel') then
   return {-1, ''}
 end
 if state == 'done' then return {-2, redis.call('HGET', KEYS[1], 'result') or ''} end
-if state == 'running' and redis.call('HGET', KEYS[1], 'run') == ARGV[9] then
-  return {tonumber(redis.call('HGET', KEYS[1], 'attempt')), '', redis.call('HGET', KEYS[1], 'queued_at') or ''}
+local run = redis.call('HGET', KEYS[1], 'run')
+local crashes = tonumber(redis.call('HGET', KEYS[1], 'crashes') or '0')
+local submitted = redis.call('HGET', KEYS[1], 'queued_at') or ''
+if state == 'running' and run == ARGV[9] then
+  return {tonumber(redis.call('HGET', KEYS[1], 'attempt')), '', submitted, crashes,
+    tonumber(redis.call('HGET', KEYS[1], 'from'))}
+end
+if ARGV[12] ~= '' then
+  redis.call('SADD', KEYS[6], ARGV[12])
+  redis.call('EXPIRE', KEYS[6], 86400)
 end
 local q = tonumber(redis.call('HGET', KEYS[1], 'queued_at') or '0')
 if q > tonumber(redis.call('HGET', KEYS[4], ARGV[10]) or '0') then redis.call('HSET', KEYS[4], ARGV[10], q) end
-local n = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
+if state == 'running' and run and redis.call('HGET', KEYS[1], 'charged') ~= run then
+  crashes = redis.call('HINCRBY', KEYS[1], 'crashes', 1)
+  redis.call('HSET', KEYS[1], 'charged', run)
+end
 redis.call('EXPIRE', KEYS[1], ARGV[3])
-if n > tonumber(ARGV[4]) then
-  local msg = 'dead-lettered: started ' .. (n - 1) .. ' times without finishing (the limit is ' .. ARGV[4] ..
-    '); its worker may crash on it'
+if crashes >= tonumber(ARGV[4]) then
+  local msg = 'dead-lettered: its worker died ' .. crashes .. ' times while running it, the last time with ' ..
+    'no other job (the limit is ' .. ARGV[4] .. '); it may crash the worker'
   redis.call('HSET', KEYS[1], 'state', 'done', 'error', msg, 'field', '')
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'error', 'message', msg, 'field', '')
   redis.call('EXPIRE', KEYS[2], ARGV[2])
-  redis.call('LPUSH', KEYS[5], cjson.encode({id = ARGV[7], attempts = n - 1, at = tonumber(ARGV[5]),
+  redis.call('LPUSH', KEYS[5], cjson.encode({id = ARGV[7], attempts = crashes, at = tonumber(ARGV[5]),
     worker = ARGV[6], request = redis.call('HGET', KEYS[1], 'request') or ''}))
   return {-3, msg}
 end
-redis.call('HSET', KEYS[1], 'state', 'running', 'run', ARGV[9])
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'attempt', 'attempt', n)
+local n = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
+local from, before = 0, '+'
+while true do  -- the last token entry (a few attempt entries may follow it)
+  local rows = redis.call('XREVRANGE', KEYS[2], before, '-', 'COUNT', 16)
+  for _, row in ipairs(rows) do
+    local f = row[2]
+    for j = 1, #f, 2 do
+      if f[j] == 'type' and f[j + 1] == 'token' then
+        for k = 1, #f, 2 do if f[k] == 'i' then from = tonumber(f[k + 1]) + 1 end end
+      end
+    end
+    if from > 0 then break end
+    before = '(' .. row[1]
+  end
+  if from > 0 or #rows < 16 then break end
+end
+redis.call('HSET', KEYS[1], 'state', 'running', 'run', ARGV[9], 'owner', ARGV[11], 'from', from)
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'attempt', 'attempt', n, 'from', from)
 redis.call('EXPIRE', KEYS[2], ARGV[2])
-return {n, '', redis.call('HGET', KEYS[1], 'queued_at') or ''}
+return {n, '', submitted, crashes, from}
+"""
+
+# The jobs of a worker instance found dead (app/worker/reaper.py): those inside its engine are charged
+# a crash, the others it held are released uncharged; each dead run once, however many reapers race.
+# KEYS: job hashes. ARGV: the instance, then per job 1 (inside its engine) or 0.
+# Returns the hash keys of the jobs charged.
+CHARGE = """
+local out = {}
+for i, key in ipairs(KEYS) do
+  local run = redis.call('HGET', key, 'run')
+  if run and redis.call('HGET', key, 'state') == 'running' and redis.call('HGET', key, 'owner') == ARGV[1]
+      and redis.call('HGET', key, 'charged') ~= run then
+    if ARGV[i + 1] == '1' then
+      redis.call('HINCRBY', key, 'crashes', 1)
+      out[#out + 1] = key
+    end
+    redis.call('HSET', key, 'charged', run)
+  end
+end
+return out
 """
 
 # Fail a job before it runs (a refused request): once, however often it is retried or redelivered.
-# KEYS: job hash, stream, queued set. ARGV: stream maxlen, stream ttl, job ttl, message, field, job id.
+# Or fail a run that raised (ARGV[7], its attempt: a no-op once a later run has begun).
+# KEYS: job hash, stream, queued set. ARGV: stream maxlen, stream ttl, job ttl, message, field, job id, attempt or ''.
 FAIL = """
 if redis.call('HGET', KEYS[1], 'state') == 'done' then return 0 end
+if ARGV[7] ~= '' and redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[7] then return 0 end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'error', 'message', ARGV[4], 'field', ARGV[5])
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 redis.call('HSET', KEYS[1], 'state', 'done', 'error', ARGV[4], 'field', ARGV[5])
@@ -281,24 +393,41 @@ return 1
 
 # A step's stream entries, applied at most once per (writer, seq). A job's last entry and its final
 # state go together, so a worker that dies after writing the end never leaves a 'running' job that a
-# redelivery would run again.
+# redelivery would run again. Fenced: a stream whose job has begun a later run than the writer's
+# (its worker was paused, taken for dead, and the job resumed elsewhere) gets nothing.
 # Then one STREAM_TICK entry, after them all (readers block on it).
-# KEYS: the writer's key, STREAM_TICK, then streams and job hashes. ARGV: maxlen, stream ttl, job ttl, seq, then
-# per entry its stream index (into KEYS) and either 0 and a plain token's four values (index, text,
+# KEYS: the writer's key, STREAM_TICK, then streams and job hashes. ARGV: maxlen, stream ttl, job ttl, seq,
+# the number of fences, per fence its stream index, job index (into KEYS) and the writer's attempt;
+# then per entry its stream index and either 0 and a plain token's four values (index, text,
 # token id, emit stamp: most entries, in half the arguments) or the number of field pairs, the job
 # index (0: none), the number of job-state pairs, the field pairs, the job-state pairs.
+# Returns the job hashes fenced off.
 WRITE_BATCH = """
-if tonumber(redis.call('GET', KEYS[1]) or '0') >= tonumber(ARGV[4]) then return 0 end
+if tonumber(redis.call('GET', KEYS[1]) or '0') >= tonumber(ARGV[4]) then return {} end
 redis.call('SET', KEYS[1], ARGV[4], 'EX', 86400)
 local maxlen = ARGV[1]
-local i = 5
+local fenced, out = {}, {}
+local i = 6
+for _ = 1, tonumber(ARGV[5]) do
+  local job = KEYS[tonumber(ARGV[i + 1])]
+  if redis.call('HGET', job, 'attempt') ~= ARGV[i + 2] then
+    fenced[tonumber(ARGV[i])] = true
+    out[#out + 1] = job
+  end
+  i = i + 3
+end
 while i <= #ARGV do
   local key = KEYS[tonumber(ARGV[i])]
+  local skip = fenced[tonumber(ARGV[i])]
   local n = tonumber(ARGV[i + 1])
   if n == 0 then
-    redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', 'type', 'token', 'i', ARGV[i + 2], 'text', ARGV[i + 3],
-      'id', ARGV[i + 4], 'ts', ARGV[i + 5])
+    if not skip then
+      redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', 'type', 'token', 'i', ARGV[i + 2], 'text', ARGV[i + 3],
+        'id', ARGV[i + 4], 'ts', ARGV[i + 5])
+    end
     i = i + 6
+  elseif skip then
+    i = i + 4 + 2 * n + 2 * tonumber(ARGV[i + 3])
   else
     local job, m = tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
     local cmd = {'XADD', key, 'MAXLEN', '~', maxlen, '*'}
@@ -315,7 +444,7 @@ while i <= #ARGV do
   end
 end
 redis.call('XADD', KEYS[2], 'MAXLEN', '1', '*', 'seq', ARGV[4])
-return 1
+return out
 """
 
 # Cancel from a client: a queued job ends here and now; a running one is flagged for its worker.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from celery import shared_task
-from celery.exceptions import Reject
+from celery.exceptions import Ignore, Reject
 
 from .contract import TASK_NAME
 from .request import RequestError, parse_request
@@ -42,8 +42,8 @@ def generate(self, request: dict) -> dict:
     tag = (self.request.delivery_info or {}).get("delivery_tag")
     try:
         return host.run(job_id, job, tag)
-    except Reject:
-        raise  # back to the queue (warm shutdown)
+    except (Reject, Ignore):
+        raise  # back to the queue (warm shutdown), or resumed on another worker: not this run's to end
     except RequestRefused as e:
         log.warning("job %s refused: %s", job_id, e)
         raise

@@ -20,6 +20,7 @@ from weightq.redis_conn import Durable, connect
 from weightq.settings import Settings
 
 from .host import WorkerHost
+from .lease import client_name, new_instance
 from .publisher import StreamPublisher
 from .to_engine import engine_config
 
@@ -57,15 +58,17 @@ class EngineStep(bootsteps.StartStopStep):
 
     def start(self, worker) -> None:
         settings = Settings.from_env()
+        instance = new_instance(worker.hostname)
         # A connection for every task thread, plus the host's loops and the stream writer: redis-py 8
         # caps a pool at 100 by default and then raises instead of waiting (at a warm shutdown, 128
-        # task threads requeueing at once ran out).
+        # task threads requeueing at once ran out). Named for the instance: its liveness (reaper.py).
         client = connect(
             settings.resolved_redis_url(),
             settings,
             socket_timeout=30,
             health_check_interval=10,
             max_connections=settings.concurrency + 16,
+            client_name=client_name(instance),
         )
         publisher = StreamPublisher(
             client,
@@ -82,7 +85,7 @@ class EngineStep(bootsteps.StartStopStep):
             engine = EngineProcess(config, sink=publisher, on_death=_exit_worker)
         else:
             engine = Engine(config, sink=publisher)
-        self.host = host = WorkerHost(settings, engine, publisher, client, worker.hostname)
+        self.host = host = WorkerHost(settings, engine, publisher, client, worker.hostname, instance)
         worker.app.weightq_host = host
         host.app = worker.app
         engine.start()

@@ -21,7 +21,9 @@ from weightq.tasks.request import JobRequest, RequestError
 from . import loops
 from .inflight import InFlight
 from .jobs import SHUTDOWN, DeadLettered, GenerationFailed, JobRunner
+from .lease import WorkerLease, new_instance
 from .publisher import StreamPublisher
+from .reaper import Reaper
 from .recovery import LostJobSweeper
 
 log = logging.getLogger(__name__)
@@ -31,22 +33,32 @@ __all__ = ["DeadLettered", "GenerationFailed", "WorkerHost"]
 
 class WorkerHost:
     def __init__(
-        self, settings: Settings, engine: AnyEngine, publisher: StreamPublisher, client: redis.Redis, hostname: str
+        self,
+        settings: Settings,
+        engine: AnyEngine,
+        publisher: StreamPublisher,
+        client: redis.Redis,
+        hostname: str,
+        instance: str | None = None,
     ) -> None:
         self.settings, self.engine, self.publisher = settings, engine, publisher
         self.redis, self.hostname = client, hostname
+        self.instance = instance or new_instance(hostname)  # its Redis connections carry it (lease.py)
         self.inflight = InFlight()
         self.stopping = threading.Event()  # warm shutdown began: cancelled jobs go back to the queue
         self._stop = threading.Event()  # the loops end
-        self.jobs = JobRunner(settings, engine, publisher, client, hostname, self.inflight, self.stopping)
+        self.jobs = JobRunner(settings, engine, publisher, client, hostname, self.inflight, self.instance)
         self.consumer: Any = None  # Celery's consumer, once it exists (leases and prefetch)
         self.app: Any = None  # the Celery app (to re-send lost jobs)
         self.sweeper = LostJobSweeper(settings, client, hostname, lambda: self.app)
+        self.lease = WorkerLease(client, settings, hostname, self.instance)
+        self.reaper = Reaper(client, settings, self.instance)
+        publisher.on_superseded = engine.cancel  # a job resumed elsewhere: stop this run of it
         self._threads: list[threading.Thread] = []
 
     # ----- what the task calls -------------------------------------------------------------------
     def run(self, job_id: str, spec: JobRequest, delivery_tag: str | None = None) -> dict:
-        return self.jobs.run(job_id, spec, delivery_tag)
+        return self.jobs.run(job_id, spec, delivery_tag or loops.delivery_tag_of(self.consumer, job_id))
 
     def fail(self, job_id: str, error: RequestError) -> None:
         """A request the contract refused."""
@@ -64,7 +76,21 @@ class WorkerHost:
             while not stop.wait(s.recover_interval_s):
                 self.sweeper.sweep()
 
+        def reap() -> None:
+            while True:
+                self.reaper.sweep()
+                if stop.wait(self.reaper.interval_s):
+                    return
+
+        def renew() -> None:
+            while True:
+                self.lease.renew(set(loops.delivered_tags(self.inflight, consumer())))
+                if stop.wait(self.lease.renew_s):
+                    return
+
         for name, loop in (
+            ("renew", renew),
+            ("reap", reap),
             ("cancel", lambda: loops.cancel_loop(r, self.engine, self.inflight, stop)),
             ("lease", lambda: loops.lease_loop(r, s, self.inflight, consumer, stop)),
             ("prefetch", lambda: loops.prefetch_loop(s, self.engine, self.inflight, consumer, self.stopping, stop)),
@@ -100,6 +126,7 @@ class WorkerHost:
         while time.monotonic() < deadline and not self.engine.idle():
             time.sleep(0.1)
         self.publisher.requeueing = True
+        self.inflight.close()  # jobs waiting to enter (behind one running alone) go back to the queue
         self.engine.stop("cancelled", SHUTDOWN)
         self._stop.set()
         with contextlib.suppress(redis.RedisError):

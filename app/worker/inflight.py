@@ -2,29 +2,71 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
+
+
+class Closed(RuntimeError):
+    """The worker is shutting down: a job still waiting to enter the engine goes back to the queue."""
 
 
 class InFlight:
     """Job id -> start time and delivery tag, under one lock: task threads add and remove jobs; the
-    loops read them (revokes to cancel, tags to renew, the count for prefetch and stats)."""
+    loops read them (revokes to cancel, tags to renew, the count for prefetch and stats).
+
+    A job suspected of crashing workers runs alone (`entered(..., alone=True)`): it waits until the
+    engine is empty, and no other job enters while it waits or runs, so that if the worker dies
+    again the crash is charged to it alone (app/worker/reaper.py)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._started: dict[str, float] = {}
         self._tags: dict[str, str] = {}  # job id -> its message's delivery tag (for lease renewal)
+        self._alone: str | None = None  # the job running alone, if one is
+        self._waiting_alone = 0
+        self._closed = False
 
-    def add(self, job_id: str, delivery_tag: str | None) -> None:
+    @contextlib.contextmanager
+    def entered(self, job_id: str, delivery_tag: str | None, alone: bool = False) -> Iterator[None]:
+        """The job is inside the engine for the block; raises Closed if the worker closes first."""
         with self._lock:
+            if alone:
+                self._waiting_alone += 1
+                try:
+                    self._lock.wait_for(lambda: self._closed or (not self._started and self._alone is None))
+                finally:
+                    self._waiting_alone -= 1
+            else:
+                self._lock.wait_for(lambda: self._closed or (self._alone is None and not self._waiting_alone))
+            if self._closed:
+                raise Closed(f"job {job_id}: the worker is shutting down")
+            if alone:
+                self._alone = job_id
             self._started[job_id] = time.monotonic()
             if delivery_tag:
                 self._tags[job_id] = delivery_tag
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._started.pop(job_id, None)
+                self._tags.pop(job_id, None)
+                if self._alone == job_id:
+                    self._alone = None
+                self._lock.notify_all()
 
-    def remove(self, job_id: str) -> None:
+    def close(self) -> None:
+        """Jobs waiting to enter give up (Closed); those inside run on."""
         with self._lock:
-            self._started.pop(job_id, None)
-            self._tags.pop(job_id, None)
+            self._closed = True
+            self._lock.notify_all()
+
+    @property
+    def exclusive(self) -> bool:
+        """A job runs alone or waits to: take no more messages meanwhile."""
+        return self._alone is not None or self._waiting_alone > 0
 
     def ids(self) -> list[str]:
         with self._lock:

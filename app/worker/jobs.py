@@ -3,6 +3,7 @@ written before the task returns; at shutdown, send it back to the queue instead.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -12,8 +13,9 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import redis
-from celery.exceptions import Reject
-from weightq.engine import AnyEngine
+from celery.exceptions import Ignore, Reject
+from weightq.engine import AnyEngine, GenerationRequest
+from weightq.engine.params import TokenLogprobs
 from weightq.redis_conn import Durable, retrying
 from weightq.settings import Settings
 from weightq.tasks.contract import (
@@ -24,16 +26,22 @@ from weightq.tasks.contract import (
     REQUEUE,
     RUNNING_STREAM_TTL_S,
     STARTED_HW,
+    Emitted,
     cancelled_result,
+    decode_fields,
+    emitted_tokens,
+    engine_jobs_key,
     field_of,
+    held_key,
     job_key,
     result_dict,
     stream_key,
 )
 from weightq.tasks.generate import RequestRefused
 from weightq.tasks.request import JobRequest
+from weightq.tasks.results import TokenLogprobs as StreamedLogprobs
 
-from .inflight import InFlight
+from .inflight import Closed, InFlight
 from .publisher import SHUTDOWN, StreamPublisher
 from .to_engine import engine_request
 
@@ -46,7 +54,7 @@ class GenerationFailed(RuntimeError):
 
 
 class DeadLettered(RuntimeError):
-    """The job was started too many times without finishing; it is in the weightq:dead list."""
+    """Its worker died too often while running it (the last time alone); it is in the weightq:dead list."""
 
 
 class JobRunner:
@@ -60,16 +68,17 @@ class JobRunner:
         client: redis.Redis,
         hostname: str,
         inflight: InFlight,
-        stopping: threading.Event,
+        instance: str,
     ) -> None:
         self.settings, self.engine, self.publisher = settings, engine, publisher
-        self.redis, self.hostname, self.inflight, self.stopping = client, hostname, inflight, stopping
+        self.redis, self.hostname, self.inflight, self.instance = client, hostname, inflight, instance
         self.durable = Durable(client, settings.redis_wait_replicas, settings.redis_wait_timeout_ms)
         self._begin = client.register_script(BEGIN)
         self._fail = client.register_script(FAIL)
         self._requeue_script = client.register_script(REQUEUE)
         self._lock = threading.Lock()
         self._runs: dict[str, threading.Event] = {}  # job id -> set when its run here ends
+        self._begun: dict[str, int] = {}  # job id -> the attempt of its run here that raised (fail() fences it)
 
     def run(self, job_id: str, spec: JobRequest, delivery_tag: str | None = None) -> dict:
         with self._lock:
@@ -85,7 +94,13 @@ class JobRunner:
                 raise GenerationFailed(f"job {job_id} failed in its first run on {self.hostname}")
             return json.loads(stored)
         try:
-            return self._run(job_id, spec, delivery_tag)
+            result = self._run(job_id, spec, delivery_tag)
+        except (Reject, Ignore, RequestRefused):
+            self._begun.pop(job_id, None)
+            raise
+        else:
+            self._begun.pop(job_id, None)
+            return result
         finally:
             with self._lock:
                 self._runs.pop(job_id, None)
@@ -94,10 +109,10 @@ class JobRunner:
     def _run(self, job_id: str, spec: JobRequest, delivery_tag: str | None) -> dict:
         s = self.settings
         run_id = uuid.uuid4().hex  # makes a retried BEGIN a no-op (tasks/contract.py)
-        attempt, stored, *submitted = self.retrying(
+        attempt, stored, *started = self.retrying(
             lambda: self.durable.run(
                 self._begin,
-                [job_key(job_id), stream_key(job_id), QUEUED, STARTED_HW, DEAD],
+                [job_key(job_id), stream_key(job_id), QUEUED, STARTED_HW, DEAD, held_key(self.instance)],
                 [
                     s.stream_maxlen,
                     RUNNING_STREAM_TTL_S,
@@ -109,6 +124,8 @@ class JobRunner:
                     json.dumps(cancelled_result(job_id)),
                     run_id,
                     spec.priority,
+                    self.instance,
+                    delivery_tag or "",
                 ],
             )
         )
@@ -120,30 +137,40 @@ class JobRunner:
             raise DeadLettered(message)
         if attempt == -2:  # finished before, redelivered before its ack: the same result again
             return json.loads(stored)
+        self._begun[job_id] = attempt = int(attempt)
+        submitted, crashes, resumed_from = started[0], int(started[1]), int(started[2])
+        emitted, lps = self._emitted(job_id, spec, resumed_from)
         request = engine_request(job_id, spec)
-        if self.publisher.metrics is not None and submitted and submitted[0]:
-            self.publisher.metrics.submitted(job_id, float(submitted[0]))  # latency from submission
-        extra = {"attempt": int(attempt), "worker": self.hostname}
-        self.publisher.annotations[job_id] = extra
-        self.inflight.add(job_id, delivery_tag)
-        # The stream writer records the job's end entry and final state together; the task returns
-        # (and its message is acked) only after that, so a worker killed at any point leaves either a
-        # finished job with its end entry or a running one that its redelivery runs again.
-        written = self.publisher.expect(job_id)
+        if self.publisher.metrics is not None and submitted:
+            self.publisher.metrics.submitted(job_id, float(submitted))  # latency from submission
+        request.emitted, request.emitted_logprobs = emitted.token_ids, lps
+        extra = {"attempt": attempt, "worker": self.hostname}
+        # Suspected of crashing workers: alone in the engine, so that a crash now is its own.
+        alone = crashes >= max(1, s.max_attempts - 1)
+        if alone:
+            log.warning("job %s: its worker died %d times while running it; it runs alone", job_id, crashes)
         try:
-            final = self.engine.submit(request).result()
-            if not written.wait(s.redis_retry_s):
-                raise GenerationFailed(f"job {job_id}: its end entry was not written in {s.redis_retry_s} s")
-        finally:
-            self.inflight.remove(job_id)
-        if final.reason == "cancelled" and final.error == SHUTDOWN:
+            with self.inflight.entered(job_id, delivery_tag, alone):
+                final, written = self._generate(job_id, request, attempt, extra)
+        except Closed:  # shutting down before it could start: back to the queue as it was
+            final, written = None, True
+        if not written:
+            raise GenerationFailed(f"job {job_id}: its end entry was not written in {s.redis_retry_s} s")
+        if job_id in self.publisher.superseded:
+            self.publisher.superseded.discard(job_id)
+            raise Ignore(f"job {job_id} resumed on another worker while this one was taken for dead")
+        if final is None or (final.reason == "cancelled" and final.error == SHUTDOWN):
             # Back to the queue, unless its client cancelled it during the grace period (a cancel the
             # engine missed: its pub/sub message can be lost while the cancel loop restarts).
             # If kombu's requeue fails on the closing channel, the recovery sweep finds the job
             # queued and nowhere else, and sends it again. Retried like every state write: a task
             # that raised here would be acked, its job left 'running' and unrecoverable.
-            result = result_dict(final) | extra  # reason "cancelled", with what it had generated
-            if self.retrying(lambda: self._requeue(job_id, result)):
+            # reason "cancelled", with what it had generated
+            result = (result_dict(final) if final else _unstarted(job_id, emitted)) | extra
+            ended = self.retrying(lambda: self._requeue(job_id, result, attempt))
+            if ended == 2:
+                raise Ignore(f"job {job_id} resumed on another worker while this one was taken for dead")
+            if ended:
                 return result
             raise Reject(f"worker {self.hostname} shutting down: job {job_id} goes back to the queue", requeue=True)
         if final.reason == "error":
@@ -152,25 +179,64 @@ class JobRunner:
             raise GenerationFailed(final.error or "error")
         return result_dict(final) | extra
 
-    def _requeue(self, job_id: str, result: dict) -> bool:
-        """True when the job ended (cancelled by its client meanwhile) instead of going back."""
+    def _generate(self, job_id: str, request: GenerationRequest, attempt: int, extra: dict):
+        """Run the job in the engine: (its FinishEvent, whether its end was written in time)."""
+        # The stream writer records the job's end entry and final state together; the task returns
+        # (and its message is acked) only after that, so a worker killed at any point leaves either a
+        # finished job with its end entry or a running one that its redelivery runs again.
+        self.publisher.annotations[job_id] = extra
+        self.publisher.fences[job_id] = attempt
+        written = self.publisher.expect(job_id)
+        key = engine_jobs_key(self.instance)
+        self.retrying(lambda: self.redis.pipeline().sadd(key, job_id).expire(key, 86_400).execute())
+        try:
+            final = self.engine.submit(request).result()
+            return final, written.wait(self.settings.redis_retry_s)
+        finally:
+            self.publisher.fences.pop(job_id, None)
+            with contextlib.suppress(redis.RedisError):  # a stale member is never charged (reaper.py)
+                self.redis.srem(key, job_id)
+
+    def _emitted(self, job_id: str, spec: JobRequest, expected: int) -> tuple[Emitted, list | None]:
+        """What earlier runs of the job emitted, from its stream (the new run's prefix), and their
+        log-probabilities as streamed (when the request asks for them)."""
+        if not expected:
+            return Emitted(), None
+        entries = self.retrying(lambda: self.redis.xrange(stream_key(job_id)))
+        try:
+            emitted = emitted_tokens([decode_fields(f) for _, f in entries])
+        except ValueError as e:
+            raise GenerationFailed(f"job {job_id} cannot resume: {e} (STREAM_MAXLEN)") from None
+        if len(emitted.token_ids) != expected:
+            log.warning("job %s: %d tokens in its stream, BEGIN saw %d", job_id, len(emitted.token_ids), expected)
+        log.info("job %s resumes after %d tokens", job_id, len(emitted.token_ids))
+        lps = None
+        if spec.logprobs is not None and len(emitted.logprobs) == len(emitted.token_ids):
+            lps = [TokenLogprobs(*StreamedLogprobs.from_json(x)) for x in emitted.logprobs]
+        return emitted, lps
+
+    def _requeue(self, job_id: str, result: dict, attempt: int) -> int:
+        """1 when the job ended (cancelled by its client meanwhile) instead of going back; 2 when a
+        later run owns it."""
         # Listed as queued since long ago: if kombu's requeue on the closing channel is lost, the next
         # two recovery sweeps (RECOVER_INTERVAL_S apart) re-send it, without waiting LOST_JOB_GRACE_S.
         s = self.settings
         since = time.time() - s.lost_job_grace_s - 1
         keys = [job_key(job_id), QUEUED, stream_key(job_id)]
-        args = [since, job_id, json.dumps(result), s.stream_maxlen, s.stream_ttl_s]
-        return bool(self.durable.run(self._requeue_script, keys, args))
+        args = [since, job_id, json.dumps(result), s.stream_maxlen, s.stream_ttl_s, attempt]
+        return int(self.durable.run(self._requeue_script, keys, args))
 
     def fail(self, job_id: str, message: str, field: str = "") -> None:
         """End the job with an error entry and state done, once (a no-op for a job already done): a
-        request refused before it reached the engine (`field` names why), or a run that failed."""
+        request refused before it reached the engine (`field` names why), or a run that failed (a
+        no-op if a later run began meanwhile: this worker was taken for dead)."""
         s = self.settings
+        attempt = self._begun.pop(job_id, "")
         self.retrying(
             lambda: self.durable.run(
                 self._fail,
                 [job_key(job_id), stream_key(job_id), QUEUED],
-                [s.stream_maxlen, s.stream_ttl_s, s.result_ttl_s, message, field, job_id],
+                [s.stream_maxlen, s.stream_ttl_s, s.result_ttl_s, message, field, job_id, attempt],
             )
         )
 
@@ -178,3 +244,10 @@ class JobRunner:
         """A job's own state writes wait out a Redis restart or failover (up to REDIS_RETRY_S): giving
         up would leave it 'running' and make a redelivery run it a second time."""
         return retrying(op, self.settings.redis_retry_s)
+
+
+def _unstarted(job_id: str, emitted: Emitted) -> dict:
+    """The result of a run stopped before it reached the engine: what earlier runs had emitted."""
+    n = len(emitted.token_ids)
+    usage = {"prompt_tokens": 0, "completion_tokens": n, "total_tokens": n}
+    return cancelled_result(job_id) | {"text": "".join(emitted.texts), "token_ids": emitted.token_ids, "usage": usage}

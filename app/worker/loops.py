@@ -2,7 +2,8 @@
 - cancellation: a client's cancel (published on a channel) or a Celery revoke reaches the engine
   within ~50 ms; the job's cancel flag stays in Redis for a run that starts later;
 - leases: the worker re-stamps its in-flight messages in kombu's `unacked_index`, so only a
-  dead worker's jobs outlive the visibility timeout and are redelivered;
+  dead worker's jobs outlive the visibility timeout and are redelivered (its own lease, and the
+  reaper that resumes a dead worker's jobs within seconds, are lease.py and reaper.py);
 - backpressure: the consumer's prefetch follows what the engine could admit soon, so several
   workers on one queue share it and none hoards jobs it cannot start;
 - recovery (recovery.py) and the heartbeat (the worker's stats, for the gateway, `weightq batch` and Flower).
@@ -90,6 +91,22 @@ def delivered_tags(inflight: InFlight, consumer: Any) -> list[str]:
     return list(tags)
 
 
+def delivery_tag_of(consumer: Any, job_id: str) -> str | None:
+    """The delivery tag of the job's message, from the consumer's delivered messages (the task cannot
+    tell: Celery's delivery_info leaves it out)."""
+    try:
+        delivered = consumer.task_consumer.channel.qos._delivered
+    except AttributeError:
+        return None
+    for _ in range(100):
+        try:
+            held = list(delivered.items())
+        except RuntimeError:  # changed size during the copy: the consumer took or acked one
+            continue
+        return next((t for t, m in reversed(held) if (m.headers or {}).get("id") == job_id), None)
+    return None
+
+
 def prefetch_loop(
     settings: Settings, engine: AnyEngine, inflight: InFlight, consumer: Callable[[], Any], stopping, stop
 ) -> None:
@@ -98,7 +115,9 @@ def prefetch_loop(
         qos = getattr(consumer(), "qos", None)
         if qos is None or stopping.is_set():
             continue
-        want = max(1, min(settings.concurrency, len(inflight) + engine.room_for()))
+        # a job running alone (or waiting to) admits no other: take no more messages meanwhile
+        room = 0 if inflight.exclusive else engine.room_for()
+        want = max(1, min(settings.concurrency, len(inflight) + room))
         if want > qos.value:
             qos.increment_eventually(want - qos.value)
         elif want < qos.value:

@@ -9,6 +9,7 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import redis
 from weightq.engine import Event, FinishEvent, TokenEvent
@@ -57,6 +58,10 @@ class StreamPublisher:
         self.metrics: EngineMetrics | None = None
         self.writer_key = writer_key(uuid.uuid4().hex)  # the last batch applied (see _apply)
         self._finals: dict[str, threading.Event] = {}  # job id -> set once its finish is written (see expect)
+        # job id -> the attempt its entries belong to: WRITE_BATCH refuses them once a later run began
+        self.fences: dict[str, int] = {}
+        self.superseded: set[str] = set()  # jobs whose writes were refused so (a later run owns them)
+        self.on_superseded: Callable[[str], None] | None = None  # told each such job once (to stop it)
         self._seq = 0
         self._batch_script = client.register_script(WRITE_BATCH)
 
@@ -146,14 +151,18 @@ class StreamPublisher:
         crashed after applying it) is a no-op instead of a second copy of every entry."""
         keys = [self.writer_key, STREAM_TICK]
         index: dict[str, int] = {}
+        fences: list = []
 
         def slot(key: str) -> int:
             if key not in index:
                 keys.append(key)
                 index[key] = len(keys)
+                job_id = job_of_stream(key)
+                if key != job_id and (attempt := self.fences.get(job_id)) is not None:
+                    fences.extend((index[key], slot(job_key(job_id)), attempt))
             return index[key]
 
-        args: list = [self.maxlen, self.ttl_s, self.job_ttl_s, seq]
+        args: list = []
         for entry in entries:
             if len(entry) == 2:  # a plain token: WRITE_BATCH's short form, its values only
                 key, values = entry
@@ -168,7 +177,14 @@ class StreamPublisher:
                 args += [k, v]
             for k, v in (state or {}).items():
                 args += [k, v]
-        self.durable.run(self._batch_script, keys, args)
+        header = [self.maxlen, self.ttl_s, self.job_ttl_s, seq, len(fences) // 3, *fences]
+        for key in self.durable.run(self._batch_script, keys, header + args):
+            job_id = (key.decode() if isinstance(key, bytes) else key).removeprefix(job_key(""))
+            if job_id not in self.superseded:
+                log.warning("job %s resumed on another worker: this run's writes are refused; stopping it", job_id)
+                self.superseded.add(job_id)
+                if self.on_superseded is not None:
+                    self.on_superseded(job_id)
 
 
 def _token_entry(rid: str, index: int, token_id: int, text: str, logprobs, ts: str) -> tuple:

@@ -15,7 +15,7 @@ from weightq.cli.processes import GatewayProcess, WorkerProcess
 from weightq.cli.redis_server import EmbeddedRedis
 from weightq.client import Client, JobFailed
 from weightq.settings import Settings
-from weightq.tasks.contract import job_key, stream_key
+from weightq.tasks.contract import held_key, job_key, stream_key
 from weightq.transport import priority_queues
 
 
@@ -195,11 +195,11 @@ def test_a_retried_begin_is_not_another_attempt(service):
     service.client.submit("once", max_new_tokens=4)  # no worker: the job stays queued
     job_id = r.zrange(QUEUED, 0, 0)[0].decode()
 
-    def run(run_id: str) -> int:
-        keys = [job_key(job_id), stream_key(job_id), QUEUED, STARTED_HW, DEAD]
-        return begin(keys=keys, args=[1000, 60, 60, 3, time.time(), "w@test", job_id, "{}", run_id, 5])[0]
+    def run(run_id: str) -> list:
+        keys = [job_key(job_id), stream_key(job_id), QUEUED, STARTED_HW, DEAD, held_key("w/1")]
+        return begin(keys=keys, args=[1000, 60, 60, 3, time.time(), "w@test", job_id, "{}", run_id, 5, "w/1", "t"])
 
-    assert [run("run-a") for _ in range(5)] == [1] * 5
-    assert run("run-b") == 2  # a redelivery is a new attempt
+    assert [run("run-a") for _ in range(5)] == [[1, b"", 0, 0]] * 5  # attempt, message, crashes, resumed from
+    assert run("run-b") == [2, b"", 1, 0]  # a redelivery is a new attempt; its run died uncharged: a crash
     types = [f[b"type"] for _, f in r.xrange(stream_key(job_id))]
     assert types == [b"attempt", b"attempt"]

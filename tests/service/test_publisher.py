@@ -51,3 +51,30 @@ def test_plain_tokens_logprobs_and_the_end_land_as_the_contract_says_once(servic
         assert j3[1] == {"type": "token", "i": "1", "text": "a", "id": "6", "ts": "102.250000"}
     finally:
         pub.close()
+
+
+def test_writes_of_a_run_that_another_run_replaced_are_refused(service):
+    """The fence: once a job's attempt moved on (it resumed elsewhere while this worker was taken for
+    dead), this writer's entries and final state for it are dropped, and the job is reported once."""
+    r = redis.Redis.from_url(service.url)
+    pub = StreamPublisher(r, maxlen=1000, ttl_s=600)
+    told: list[str] = []
+    pub.on_superseded = told.append
+    try:
+        r.hset(job_key("old"), mapping={"attempt": 2, "state": "running"})
+        r.hset(job_key("mine"), mapping={"attempt": 1, "state": "running"})
+        pub.fences.update({"old": 1, "mine": 1})
+        batch = [
+            (TokenEvent("old", 7, 5, "x"), 1.0),
+            (TokenEvent("mine", 0, 5, "y"), 1.0),
+            (FinishEvent("old", "length", "x", (5,), 1, 1, 0.0, 0.0, 0.0), 1.0),
+            (FinishEvent("mine", "length", "y", (5,), 1, 1, 0.0, 0.0, 0.0), 1.0),
+        ]
+        pub._apply(1, pub._entries(batch))
+        pub._apply(2, pub._entries([(TokenEvent("old", 8, 6, "z"), 2.0)]))
+        assert r.xrange(stream_key("old")) == [] and r.hget(job_key("old"), "state") == b"running"
+        assert [f["type"] for f in _fields(r, "mine")] == ["token", "end"]
+        assert r.hget(job_key("mine"), "state") == b"done"
+        assert told == ["old"] and pub.superseded == {"old"}
+    finally:
+        pub.close()

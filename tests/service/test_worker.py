@@ -48,7 +48,7 @@ def test_100_jobs_stream_and_match_the_in_process_engine(service, tiny_loaded, m
         assert result["usage"]["completion_tokens"] == len(result["token_ids"])
         assert result["attempt"] == 1
         entries = stream_entries(service.url, job.id)
-        assert entries[0] == {"type": "attempt", "attempt": "1"} and entries[-1]["type"] == "end"
+        assert entries[0] == {"type": "attempt", "attempt": "1", "from": "0"} and entries[-1]["type"] == "end"
 
 
 def test_submit_many_refuses_a_bad_request_before_writing_any(service):
@@ -140,9 +140,13 @@ def test_sigkill_mid_generation_loses_nothing(service):
         assert [e["type"] for e in entries].count("end") == 1 and entries[-1]["type"] == "end"
         markers = [i for i, e in enumerate(entries) if e["type"] == "attempt"]
         assert len(markers) == 2
-        second_run = [e for e in entries[markers[1] :] if e["type"] == "token"]
-        assert len(second_run) == n and "".join(e["text"] for e in second_run) == result["text"]
-        assert "".join(job.stream(timeout=10)) == result["text"]  # the reader drops the dead attempt
+        tokens = [e for e in entries if e["type"] == "token"]
+        assert [int(e["i"]) for e in tokens] == list(range(n))  # resumed: each index once, in order
+        first_run = [e for e in entries[: markers[1]] if e["type"] == "token"]
+        assert 0 < len(first_run) == int(entries[markers[1]]["from"])  # the second run resumed after them
+        assert "".join(e["text"] for e in tokens) == result["text"]
+        assert [int(e["id"]) for e in tokens] == result["token_ids"]
+        assert "".join(job.stream(timeout=10)) == result["text"]
     r = redis.Redis.from_url(service.url)
     assert r.zcard("unacked_index") == 0 and r.hlen("unacked") == 0
 
