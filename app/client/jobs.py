@@ -103,8 +103,8 @@ class Job:
                     return
 
     def stream(self, timeout: float | None = None) -> Iterator[str]:
-        """Text deltas of the job. If a worker died and the job restarted, tokens already delivered
-        are not repeated (greedy and seeded runs regenerate the same tokens)."""
+        """Text deltas of the job, each token once: a job whose worker died resumes elsewhere after
+        the tokens it had streamed, so the deltas join into the result's text."""
         replay = Replay()
         for ev in self.events(timeout):
             if ev.type == EntryType.TOKEN:

@@ -145,7 +145,7 @@ class Gateway:
             log.exception("cancelling job %s failed", job_id)
 
     async def events(self, job_id: str, last_id: str = "0-0") -> AsyncIterator[tuple[str, dict]]:
-        """Stream entries, with a restarted job's repeated tokens dropped and a timeout when idle."""
+        """Stream entries (each token index once: see Replay), with a timeout when idle."""
         batches = self.batches(job_id, last_id)
         try:
             async for batch in batches:
@@ -168,7 +168,7 @@ class Gateway:
                     return
                 except TimeoutError:
                     raise HTTPError(504, f"job {job_id}: nothing for {timeout} s", None, "timeout") from None
-                fresh = [(eid, f) for eid, f in batch if replay.fresh(f)]  # a redelivered job regenerates tokens
+                fresh = [(eid, f) for eid, f in batch if replay.fresh(f)]
                 if fresh:
                     yield fresh
         finally:
