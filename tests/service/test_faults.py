@@ -142,13 +142,20 @@ def test_worker_restarts_under_load_sigterm_then_sigkill(service):
             time.sleep(0.05)
 
     first = service.worker("t1@test", **fast).wait_ready()
+    later = list(asked)[120:]  # sent once t2 serves, so that t1 cannot have finished everything
     for job_id, n in asked.items():
-        service.client.submit(f"load {job_id}", max_new_tokens=n, ignore_eos=True, request_id=job_id)
+        if job_id not in later:
+            service.client.submit(f"load {job_id}", max_new_tokens=n, ignore_eos=True, request_id=job_id)
     wait_done(30, 300)
     assert first.stop(timeout=60) == 0  # warm: running jobs go back to the queue
     second = service.worker("t2@test", **fast).wait_ready()
-    wait_done(70, 300)
-    second.kill()  # its running and reserved jobs come back after the visibility timeout
+    for job_id in later:
+        service.client.submit(f"load {job_id}", max_new_tokens=asked[job_id], ignore_eos=True, request_id=job_id)
+    deadline = time.monotonic() + 300
+    while not any(r.hget(job_key(j), "owner").startswith("t2@") for j in later if r.hget(job_key(j), "owner")):
+        assert time.monotonic() < deadline, "t2 never ran a job"
+        time.sleep(0.01)
+    second.kill()  # its running and reserved jobs resume on t3
     service.worker("t3@test", **fast).wait_ready()
     wait_done(200, 300)
 
