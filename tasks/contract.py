@@ -24,6 +24,7 @@ Keys (all expire; see Settings):
   weightq:lease:{instance}         a key that lives while the instance renews it (LEASE_TTL_S)
   weightq:held:{instance}          a set: the delivery tags of the messages the instance holds
   weightq:engine-jobs:{instance}   a set: the jobs inside the instance's engine (charged if it dies)
+  weightq:resuming     a set: jobs a dead worker's reaper sent back, until a run of them begins
   weightq:cancel       a pub/sub channel: a running job's id, published when a client cancels it
 
 A reader reads the stream from 0-0, so attaching late misses nothing. A job that runs again after its
@@ -58,12 +59,13 @@ DEAD = "weightq:dead"
 HEARTBEATS = "weightq:workers"
 RECOVER_LOCK = "weightq:recover-lock"
 LEASES = "weightq:leases"
+RESUMING = "weightq:resuming"
 # One entry (MAXLEN 1) per batch of stream entries a worker writes: a reader following many streams
 # blocks on this one key and then reads them all, where a blocked XREAD of hundreds of keys cost a
 # full command to send and Redis 6 answered it with just the stream that woke it.
 STREAM_TICK = "weightq:stream-tick"
 RUNNING_STREAM_TTL_S = 86_400  # a running job's stream lives a day; once it ends, STREAM_TTL_S
-SINGLETONS = (CANCEL_CHANNEL, QUEUED, STARTED_HW, DEAD, HEARTBEATS, RECOVER_LOCK, STREAM_TICK, LEASES)
+SINGLETONS = (CANCEL_CHANNEL, QUEUED, STARTED_HW, DEAD, HEARTBEATS, RECOVER_LOCK, STREAM_TICK, LEASES, RESUMING)
 
 
 def stream_key(job_id: str) -> str:
@@ -290,7 +292,7 @@ return 0
 # not a reaper) is charged here. A retry of the same run's BEGIN (its reply was lost, or replicas did
 # not confirm it) is a no-op answering the same: retries never count. Warm-shutdown requeues and
 # redeliveries are runs, never crashes.
-# KEYS: job hash, stream, queued set, high-water mark, dead list, the instance's held tags.
+# KEYS: job hash, stream, queued set, high-water mark, dead list, the instance's held tags, RESUMING.
 # ARGV: stream maxlen, stream ttl, job ttl, max attempts, now, worker name, job id, cancelled result,
 # run id (unique per run), the job's priority class, worker instance, delivery tag ('' if none).
 # Returns {attempt, '', the job's submission stamp, crashes, resumed from} for a run that starts, else
@@ -298,6 +300,7 @@ return 0
 BEGIN = """
 local state = redis.call('HGET', KEYS[1], 'state')
 redis.call('ZREM', KEYS[3], ARGV[7])
+redis.call('SREM', KEYS[7], ARGV[7])
 if state == 'cancelled' or redis.call('HGET', KEYS[1], 'cancel') then
   if state ~= 'cancelled' then  -- cancelled while its worker died: end it here, once
     redis.call('HSET', KEYS[1], 'state', 'cancelled')
@@ -359,19 +362,23 @@ return {n, '', submitted, crashes, from}
 
 # The jobs of a worker instance found dead (app/worker/reaper.py): those inside its engine are charged
 # a crash, the others it held are released uncharged; each dead run once, however many reapers race.
-# KEYS: job hashes. ARGV: the instance, then per job 1 (inside its engine) or 0.
+# Each is listed in RESUMING until a run of it begins (BEGIN), so that the lost-job sweep re-sends it
+# should its message be lost on the way (a worker killed between taking it and recording it).
+# KEYS: RESUMING, then job hashes. ARGV: the instance, then per job 1 (inside its engine) or 0 and its id.
 # Returns the hash keys of the jobs charged.
 CHARGE = """
 local out = {}
-for i, key in ipairs(KEYS) do
+for i = 2, #KEYS do
+  local key = KEYS[i]
   local run = redis.call('HGET', key, 'run')
   if run and redis.call('HGET', key, 'state') == 'running' and redis.call('HGET', key, 'owner') == ARGV[1]
       and redis.call('HGET', key, 'charged') ~= run then
-    if ARGV[i + 1] == '1' then
+    if ARGV[2 * i - 2] == '1' then
       redis.call('HINCRBY', key, 'crashes', 1)
       out[#out + 1] = key
     end
     redis.call('HSET', key, 'charged', run)
+    redis.call('SADD', KEYS[1], ARGV[2 * i - 1])
   end
 end
 return out

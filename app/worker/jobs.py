@@ -24,6 +24,7 @@ from weightq.tasks.contract import (
     FAIL,
     QUEUED,
     REQUEUE,
+    RESUMING,
     RUNNING_STREAM_TTL_S,
     STARTED_HW,
     Emitted,
@@ -112,7 +113,7 @@ class JobRunner:
         attempt, stored, *started = self.retrying(
             lambda: self.durable.run(
                 self._begin,
-                [job_key(job_id), stream_key(job_id), QUEUED, STARTED_HW, DEAD, held_key(self.instance)],
+                [job_key(job_id), stream_key(job_id), QUEUED, STARTED_HW, DEAD, held_key(self.instance), RESUMING],
                 [
                     s.stream_maxlen,
                     RUNNING_STREAM_TTL_S,

@@ -22,7 +22,7 @@ import time
 import redis
 from kombu.transport import redis as kombu_redis
 from weightq.settings import Settings
-from weightq.tasks.contract import CHARGE, LEASES, engine_jobs_key, held_key, job_key, lease_key
+from weightq.tasks.contract import CHARGE, LEASES, RESUMING, engine_jobs_key, held_key, job_key, lease_key
 from weightq.transport import restore_unacked
 
 from .lease import CLIENT_PREFIX, client_name
@@ -95,7 +95,8 @@ class Reaper:
             if raw is not None:
                 held.add(kombu_redis.loads(kombu_redis.bytes_to_str(raw))[0].get("headers", {}).get("id"))
         jobs = sorted(inside) + sorted(held - inside - {None})
-        charged = self._charge(keys=[job_key(j) for j in jobs], args=[instance, *(int(j in inside) for j in jobs)])
+        flags = [x for j in jobs for x in (int(j in inside), j)]
+        charged = self._charge(keys=[RESUMING, *(job_key(j) for j in jobs)], args=[instance, *flags])
         resumed = restore_unacked(r, tags)
         r.pipeline().delete(engine_jobs_key(instance), held_key(instance)).hdel(LEASES, instance).execute()
         resumed += restore_unacked(r, self._orphans())

@@ -1,7 +1,8 @@
 """Re-sending jobs whose message was lost: kombu's Redis transport can lose a message that a Redis crash
-catches between delivery and bookkeeping. Jobs still queued long after later ones of their class (or a
-lower one) started, and found neither in the queue's lists (one per priority) nor among the unacked
-messages (twice, a sweep apart), are sent again, with their priority."""
+(or a worker's death) catches between delivery and bookkeeping. Jobs still queued long after later
+ones of their class (or a lower one) started, and jobs a dead worker's reaper sent back that no run
+has begun since (`weightq:resuming`), found neither in the queue's lists (one per priority) nor among
+the unacked messages (twice, a sweep apart), are sent again, with their priority."""
 
 from __future__ import annotations
 
@@ -12,7 +13,16 @@ from collections.abc import Callable
 
 import redis
 from weightq.settings import Settings
-from weightq.tasks.contract import QUEUED, RECOVER_LOCK, STARTED_HW, TASK_NAME, JobState, args_repr, job_key
+from weightq.tasks.contract import (
+    QUEUED,
+    RECOVER_LOCK,
+    RESUMING,
+    STARTED_HW,
+    TASK_NAME,
+    JobState,
+    args_repr,
+    job_key,
+)
 from weightq.tasks.limits import DEFAULT_PRIORITY, MAX_PRIORITY, broker_priority
 from weightq.transport import priority_queues
 
@@ -48,7 +58,9 @@ class LostJobSweeper:
         waiting = sum(lengths)
         cutoff = min(grace, max(started.values(), default=0.0)) if waiting else grace
         old = r.zrangebyscore(QUEUED, "-inf", cutoff, start=0, num=500, withscores=True)
-        if not old:
+        # jobs a dead worker's reaper sent back and no run has begun since (their message may be lost)
+        resuming = sorted(j.decode() for j in r.srandmember(RESUMING, 500))
+        if not old and not resuming:
             self._suspects.clear()
             return []
         pipe = r.pipeline(transaction=False)
@@ -65,6 +77,7 @@ class LostJobSweeper:
             passed = max((t for c, t in started.items() if c <= cls), default=0.0)
             if not ahead or queued_at < passed:
                 queued.append(job_id)
+        queued += self._resuming(resuming)
         if not queued:
             return []
         if waiting > s.lost_job_scan_limit:
@@ -78,7 +91,7 @@ class LostJobSweeper:
             raw = r.hget(job_key(job_id), "request")
             if raw is None or app is None:
                 continue
-            log.warning("job %s lost its message (a Redis crash?): sending it again", job_id)
+            log.warning("job %s lost its message (a Redis or worker crash?): sending it again", job_id)
             request = json.loads(raw)
             app.send_task(  # type: ignore[attr-defined]
                 TASK_NAME,
@@ -90,6 +103,17 @@ class LostJobSweeper:
                 priority=broker_priority(_priority_of(raw)),
             )
         return lost
+
+    def _resuming(self, job_ids: list[str]) -> list[str]:
+        """Those still running (their message should be in a list or unacked); the rest leave the set."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hget(job_key(job_id), "state")
+        states = pipe.execute()
+        ended = [j for j, state in zip(job_ids, states, strict=True) if state != JobState.RUNNING.encode()]
+        if ended:
+            self.redis.srem(RESUMING, *ended)
+        return [j for j in job_ids if j not in ended]
 
     def _present(self, job_ids: list[str], lists: list[str]) -> set[str]:
         """Which of these jobs have a message in the queue's lists or among the unacked ones."""

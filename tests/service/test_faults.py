@@ -77,6 +77,23 @@ def test_a_job_whose_message_was_lost_is_sent_again(service):
     assert r.zscore("weightq:queued", "lost-1") is None
 
 
+def test_a_resumed_job_whose_message_was_lost_is_sent_again(service):
+    """A dead worker's reaper sent the job back, and the worker that took the message died before
+    recording it: the job is 'running' (its dead run's), listed in weightq:resuming, and its message
+    is nowhere. A worker's sweep finds it so twice and sends it again; it resumes."""
+    from weightq.tasks.contract import RESUMING
+
+    r = redis.Redis.from_url(service.url, decode_responses=True)
+    service.client.submit("lost on the way back", max_new_tokens=5, request_id="lr-1")
+    assert any(r.rpop(q) for q in priority_queues("weightq"))  # the message is gone
+    r.hset(job_key("lr-1"), mapping={"state": "running", "attempt": 1, "run": "r1", "charged": "r1", "owner": "x/1"})
+    r.sadd(RESUMING, "lr-1")
+    service.worker(recover_interval_s=1).wait_ready()
+    result = service.client.job("lr-1").result(timeout=60)
+    assert result["usage"]["completion_tokens"] == 5 and result["attempt"] == 2
+    assert not r.sismember(RESUMING, "lr-1") and r.hget(job_key("lr-1"), "crashes") is None  # released, not charged
+
+
 def test_a_poison_job_is_dead_lettered_after_max_attempts(service):
     """A job that kills its worker every time it starts is started MAX_ATTEMPTS times, then refused
     with a clear error, recorded in weightq:dead and failed in Celery; the next worker serves on."""
@@ -195,7 +212,7 @@ def test_a_dead_engine_process_takes_its_worker_down_and_its_jobs_run_again(serv
 def test_a_retried_begin_is_not_another_attempt(service):
     """A BEGIN whose reply was lost (or whose write replicas did not confirm) is sent again: the same
     run must not count twice, or retries alone would dead-letter a healthy job."""
-    from weightq.tasks.contract import BEGIN, DEAD, QUEUED, STARTED_HW
+    from weightq.tasks.contract import BEGIN, DEAD, QUEUED, RESUMING, STARTED_HW
 
     r = redis.Redis.from_url(service.url)
     begin = r.register_script(BEGIN)
@@ -203,8 +220,10 @@ def test_a_retried_begin_is_not_another_attempt(service):
     job_id = r.zrange(QUEUED, 0, 0)[0].decode()
 
     def run(run_id: str) -> list:
-        keys = [job_key(job_id), stream_key(job_id), QUEUED, STARTED_HW, DEAD, held_key("w/1")]
-        return begin(keys=keys, args=[1000, 60, 60, 3, time.time(), "w@test", job_id, "{}", run_id, 5, "w/1", "t"])
+        keys = [job_key(job_id), stream_key(job_id), QUEUED, STARTED_HW, DEAD, held_key("w/1"), RESUMING]
+        args = [1000, 60, 60, 3, time.time(), "w@test", job_id, "{}", run_id, 5, "w/1", "t"]
+        attempt, message, _, crashes, resumed_from = begin(keys=keys, args=args)
+        return [attempt, message, crashes, resumed_from]
 
     assert [run("run-a") for _ in range(5)] == [[1, b"", 0, 0]] * 5  # attempt, message, crashes, resumed from
     assert run("run-b") == [2, b"", 1, 0]  # a redelivery is a new attempt; its run died uncharged: a crash
