@@ -288,11 +288,14 @@ return 0
 # `max attempts` worker crashes (the last while it ran alone: see app/worker/reaper.py); else bump the
 # attempt (the fence: stream writes of any earlier run are refused from now on), record the run and
 # the worker instance, and mark the stream with where this run resumes (the index after its last
-# token). A job still 'running' from a run nobody charged (kombu's visibility timeout brought it back,
-# not a reaper) is charged here. A retry of the same run's BEGIN (its reply was lost, or replicas did
+# token). A job still 'running' from a run nobody charged, whose worker instance is still registered
+# (kombu's visibility timeout brought it back before any reaper saw that worker die), is charged here;
+# once a reaper has handled an instance (charged or released its jobs, then unregistered it), its
+# runs are never charged again. A retry of the same run's BEGIN (its reply was lost, or replicas did
 # not confirm it) is a no-op answering the same: retries never count. Warm-shutdown requeues and
 # redeliveries are runs, never crashes.
-# KEYS: job hash, stream, queued set, high-water mark, dead list, the instance's held tags, RESUMING.
+# KEYS: job hash, stream, queued set, high-water mark, dead list, the instance's held tags, RESUMING,
+# LEASES.
 # ARGV: stream maxlen, stream ttl, job ttl, max attempts, now, worker name, job id, cancelled result,
 # run id (unique per run), the job's priority class, worker instance, delivery tag ('' if none).
 # Returns {attempt, '', the job's submission stamp, crashes, resumed from} for a run that starts, else
@@ -323,7 +326,9 @@ if ARGV[12] ~= '' then
 end
 local q = tonumber(redis.call('HGET', KEYS[1], 'queued_at') or '0')
 if q > tonumber(redis.call('HGET', KEYS[4], ARGV[10]) or '0') then redis.call('HSET', KEYS[4], ARGV[10], q) end
-if state == 'running' and run and redis.call('HGET', KEYS[1], 'charged') ~= run then
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if state == 'running' and run and redis.call('HGET', KEYS[1], 'charged') ~= run and owner
+    and redis.call('HEXISTS', KEYS[8], owner) == 1 then
   crashes = redis.call('HINCRBY', KEYS[1], 'crashes', 1)
   redis.call('HSET', KEYS[1], 'charged', run)
 end

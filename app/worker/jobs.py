@@ -22,6 +22,7 @@ from weightq.tasks.contract import (
     BEGIN,
     DEAD,
     FAIL,
+    LEASES,
     QUEUED,
     REQUEUE,
     RESUMING,
@@ -113,7 +114,10 @@ class JobRunner:
         attempt, stored, *started = self.retrying(
             lambda: self.durable.run(
                 self._begin,
-                [job_key(job_id), stream_key(job_id), QUEUED, STARTED_HW, DEAD, held_key(self.instance), RESUMING],
+                [
+                    *(job_key(job_id), stream_key(job_id), QUEUED, STARTED_HW, DEAD),
+                    *(held_key(self.instance), RESUMING, LEASES),
+                ],
                 [
                     s.stream_maxlen,
                     RUNNING_STREAM_TTL_S,

@@ -86,10 +86,11 @@ class Reaper:
         return [t.decode() for t in old if t not in live]
 
     def reap(self, instance: str) -> list[str]:
-        """Charge and release the dead instance's jobs, and put every message it held back."""
+        """Charge and release the dead instance's jobs, and put every message it held back (with the
+        orphans: jobs among them that it had begun are released too)."""
         r = self.redis
         inside = {j.decode() for j in r.smembers(engine_jobs_key(instance))}
-        tags = [t.decode() for t in r.smembers(held_key(instance))]
+        tags = [t.decode() for t in r.smembers(held_key(instance))] + self._orphans()
         held = set()
         for raw in r.hmget(kombu_redis.Channel.unacked_key, tags) if tags else []:
             if raw is not None:
@@ -99,7 +100,6 @@ class Reaper:
         charged = self._charge(keys=[RESUMING, *(job_key(j) for j in jobs)], args=[instance, *flags])
         resumed = restore_unacked(r, tags)
         r.pipeline().delete(engine_jobs_key(instance), held_key(instance)).hdel(LEASES, instance).execute()
-        resumed += restore_unacked(r, self._orphans())
         log.warning(
             "worker %s is dead: %d of its jobs go back to the queue, %d of them charged with the crash",
             instance,

@@ -62,10 +62,18 @@ def held_tag_of(r: redis.Redis, instance: str, job_id: str) -> str:
     raise AssertionError(f"no message of {job_id} held by {instance}")
 
 
-def test_a_paused_worker_keeps_its_jobs_and_a_killed_ones_resume_elsewhere_as_one_generation(service, tmp_path):
+@pytest.fixture
+def gateway(service, tmp_path):
+    g = GatewayProcess(service.url, tmp_path)
+    try:
+        yield g.wait_ready()
+    finally:
+        g.stop()
+
+
+def test_a_paused_worker_keeps_its_jobs_and_a_killed_ones_resume_elsewhere_as_one_generation(service, gateway):
     r = redis.Redis.from_url(service.url, decode_responses=True)
     a = service.worker("a@test", **SLOW_RESTORE).wait_ready()
-    gateway = GatewayProcess(service.url, tmp_path).wait_ready()
     kinds = {
         "greedy": dict(temperature=0),
         "seeded": dict(temperature=1.0, seed=5, top_p=0.9, frequency_penalty=0.3),
@@ -152,7 +160,6 @@ def test_a_paused_worker_keeps_its_jobs_and_a_killed_ones_resume_elsewhere_as_on
     again: dict = {}
     read_sse(gateway.base, "/v1/completions", body, again, {"Last-Event-ID": events[cut - 1][1]})
     assert openai_text(events[:cut]) + openai_text(again["events"]) == result["text"]
-    gateway.stop()
 
 
 def test_a_poison_job_among_healthy_ones_is_dead_lettered_alone(service):
