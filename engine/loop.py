@@ -34,6 +34,7 @@ from .prompt import prompt_ids, render_chat
 from .runner.base import Work
 from .sampling import sample
 from .sequence import Sequence
+from .sink import Sink, as_sink
 from .stats import EngineStats
 from .warmup import warm_up
 
@@ -44,7 +45,7 @@ class Engine(StepOutputs, EngineStats):
     def __init__(
         self,
         config: EngineConfig | None = None,
-        sink: Callable[[Event], None] | None = None,
+        sink: Sink | Callable[[Event], None] | None = None,
         *,
         loaded: LoadedModel | None = None,
     ) -> None:
@@ -57,7 +58,7 @@ class Engine(StepOutputs, EngineStats):
         head = self.lm.model.get_output_embeddings()
         self.logits_width = int(head.weight.shape[0]) if head is not None else len(self.tokenizer)
         self.grammars = Grammars(self.tokenizer, self.logits_width, self.token_texts)
-        self.sink = sink
+        self.sink = as_sink(sink)
         self.seqs: dict[str, Sequence] = {}
         self._handles: dict[str, Handle] = {}
         self._inbox: deque[Sequence | FinishEvent] = deque()
@@ -118,9 +119,7 @@ class Engine(StepOutputs, EngineStats):
         self._drain()
         for seq in list(self.seqs.values()):
             self._finish(seq, reason, message)
-        flush = getattr(self.sink, "flush", None)
-        if flush is not None:
-            flush()
+        self._flush_sink()
 
     def generate(self, requests: list[GenerationRequest]) -> list[FinishEvent]:
         """Run requests to completion on the calling thread (offline use; the loop must not run)."""
@@ -169,7 +168,7 @@ class Engine(StepOutputs, EngineStats):
 
     def step(self) -> bool:
         """One scheduling decision and one forward pass; False when there was nothing to run.
-        A sink with a `flush()` method is flushed after every step (one write batch per step), and
+        The sink is flushed after every step (one write batch per step), and
         on an asynchronous device also once the previous step's events are out, mid-step."""
         try:
             return self._step()
@@ -178,9 +177,8 @@ class Engine(StepOutputs, EngineStats):
             self._flush_sink()
 
     def _flush_sink(self) -> None:
-        flush = getattr(self.sink, "flush", None)
-        if flush is not None:
-            flush()
+        if self.sink is not None:
+            self.sink.flush()
 
     def _step(self) -> bool:
         t_start = time.perf_counter()

@@ -11,6 +11,7 @@ import pytest
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from weightq.engine.grammar import available
 from weightq.engine.params import FinishEvent, TokenEvent
+from weightq.engine.sink import as_sink
 
 PROMPTS = ["The scheduler admits", "Once upon a time", "A worker crashed and", "Tokens stream back"]
 VARIANTS = {
@@ -26,7 +27,7 @@ VARIANTS = {
 
 def run(engine: Engine, reqs: list[GenerationRequest]) -> tuple[list[FinishEvent], dict[str, list[TokenEvent]]]:
     events: list = []
-    engine.sink = events.append
+    engine.sink = as_sink(events.append)  # set after construction: wrapped as Engine(sink=) would
     finals = engine.generate(reqs)
     engine.sink = None
     tokens: dict[str, list[TokenEvent]] = {}
