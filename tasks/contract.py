@@ -9,8 +9,9 @@ Keys (all expire; see Settings):
           tokens, top logprobs] (the model's log_softmax, best first)
       {"type": "end", "reason": ..., "result": JSON}     the last entry of a finished job
       {"type": "error", "message": ..., "field": ...}    the last entry of a failed job
-  weightq:job:{id}     a hash: state (queued | running | done | cancelled), attempt, cancel, result,
-                       error and field (a failed job), request and queued_at (for recovery)
+  weightq:job:{id}     a hash: state (queued | running | done | cancelled), tenant (whose job it is),
+                       attempt, cancel, result, error and field (a failed job), request and
+                       queued_at (for recovery)
   weightq:queued       a sorted set: ids of jobs submitted and not yet started, by submission time
   weightq:started-hw   a hash: per priority class, the latest submission time of a job of that class
                        that has started (FIFO high-water marks: the broker keeps a list per class)
@@ -196,11 +197,12 @@ def result_dict(ev: Finished) -> dict[str, Any]:
 
 # ----- the scripts that change a job's state (atomic in Redis) ------------------------------------
 
-# Submit: the job's state and request (kept so that a job whose message is lost can be sent again)
-# and its place in the queued set; a known id keeps what it has.
-# KEYS: job hash, queued set. ARGV: request JSON, now, job ttl, job id.
+# Submit: the job's state, tenant and request (kept so that a job whose message is lost can be sent
+# again) and its place in the queued set; a known id keeps what it has.
+# KEYS: job hash, queued set. ARGV: request JSON, now, job ttl, job id, tenant.
 SUBMIT = """
 redis.call('HSETNX', KEYS[1], 'state', 'queued')
+redis.call('HSETNX', KEYS[1], 'tenant', ARGV[5])
 redis.call('HSETNX', KEYS[1], 'request', ARGV[1])
 redis.call('HSETNX', KEYS[1], 'queued_at', ARGV[2])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
