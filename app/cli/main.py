@@ -274,7 +274,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
     refuse_taken_ports("weightq gateway", host, {"gateway": port})  # before anything else, not at bind time
     url = ensure_redis(settings)
-    app = create_app(settings, url)
+    app = create_app(settings.model_copy(update={"gateway_host": host}), url)  # its Host check knows the bind
     server = uvicorn.Server(
         uvicorn.Config(app, host=host, port=port, log_level=args.log_level, timeout_graceful_shutdown=5)
     )
