@@ -12,6 +12,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from weightq.batcher import Request, RequestRejected, chain_keys
@@ -56,7 +57,15 @@ class Engine(StepOutputs, EngineStats):
         self.token_texts = TokenTexts(self.tokenizer)
         head = self.lm.model.get_output_embeddings()
         self.logits_width = int(head.weight.shape[0]) if head is not None else len(self.tokenizer)
-        self.grammars = Grammars(self.tokenizer, self.logits_width, self.token_texts)
+        self.grammars = Grammars(
+            self.tokenizer, self.logits_width, self.token_texts,
+            timeout_s=cfg.grammar_timeout_s, memory_mb=cfg.grammar_memory_mb,
+        )  # fmt: skip
+        # One thread compiles grammars not compiled before, so a slow compile never holds up a submit
+        # or a cancel (the engine process's command thread, a task thread) or the loop.
+        self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="weightq-grammar")
+        self._pending: set[str] = set()  # submitted, not yet in the inbox (being prepared)
+        self._cancelled_pending: set[str] = set()  # ... and cancelled, or finished by stop()
         self.sink = sink
         self.seqs: dict[str, Sequence] = {}
         self._handles: dict[str, Handle] = {}
@@ -74,28 +83,47 @@ class Engine(StepOutputs, EngineStats):
 
     # ----- caller side (any thread) ---------------------------------------------------------------
     def submit(self, request: GenerationRequest, *, stream: bool = False) -> Handle:
-        """Queue a request. Problems with it never raise here: they finish its handle with an error."""
+        """Queue a request. Problems with it never raise here: they finish its handle with an error.
+        A grammar not compiled before is compiled on the grammar thread: this returns at once."""
         handle = Handle(request.id, stream)
         now = time.monotonic()
+        guided = request.params.guided
+        with self._cv:
+            if request.id in self._handles:
+                handle._put(
+                    self._error_event(request.id, f"id: request id {request.id!r} is already in flight", 0, now)
+                )
+                return handle
+            self._handles[request.id] = handle
+            self._pending.add(request.id)
+        if guided is not None and not self.grammars.ready(guided):
+            self._grammar_thread.submit(self._enqueue, request, now)
+        else:
+            self._enqueue(request, now)
+        return handle
+
+    def _enqueue(self, request: GenerationRequest, now: float) -> None:
         try:
             item: Sequence | FinishEvent = self._prepare(request, now)
         except (InvalidRequest, RequestRejected) as e:
             item = self._error_event(request.id, str(e), 0, now)
         with self._cv:
-            if request.id in self._handles:
-                item = self._error_event(request.id, f"id: request id {request.id!r} is already in flight", 0, now)
-                handle._put(item)
-                return handle
-            self._handles[request.id] = handle
+            self._pending.discard(request.id)
+            if request.id in self._cancelled_pending:  # cancelled (or stopped) while it was prepared
+                self._cancelled_pending.discard(request.id)
+                if self._handles.get(request.id) is None:
+                    return  # stop() finished it
+                item = FinishEvent(request.id, "cancelled", "", (), 0, 0, 0.0, 0.0, time.monotonic() - now)
             self._inbox.append(item)
             self._cv.notify()
-        return handle
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a queued or running request; its blocks are free before the next step."""
         with self._cv:
             known = request_id in self._handles
-            if known:
+            if request_id in self._pending:
+                self._cancelled_pending.add(request_id)
+            elif known:
                 self._cancels.append(request_id)
                 self._cv.notify()
         return known
@@ -118,6 +146,11 @@ class Engine(StepOutputs, EngineStats):
         self._drain()
         for seq in list(self.seqs.values()):
             self._finish(seq, reason, message)
+        with self._cv:  # requests whose grammar is still compiling end too (their compile is dropped)
+            pending = [rid for rid in self._pending if rid not in self._cancelled_pending]
+            self._cancelled_pending.update(pending)
+        for rid in pending:
+            self._emit(FinishEvent(rid, reason, "", (), 0, 0, 0.0, 0.0, 0.0, message))
         flush = getattr(self.sink, "flush", None)
         if flush is not None:
             flush()
@@ -129,7 +162,10 @@ class Engine(StepOutputs, EngineStats):
         handles = [self.submit(r) for r in requests]
         while any(h.final is None for h in handles):
             idle = not self.step() and not self._inbox and not self._cancels
-            if idle and any(h.final is None for h in handles):  # a refused request finishes in the idle step
+            if idle and self._pending:  # a grammar compiling on the grammar thread
+                with self._cv:
+                    self._cv.wait_for(lambda: self._inbox or not self._pending, 0.05)
+            elif idle and any(h.final is None for h in handles):  # a refused request finishes in the idle step
                 raise RuntimeError("engine idle with unfinished requests")
         return [h.final for h in handles]  # type: ignore[misc]
 
@@ -140,7 +176,7 @@ class Engine(StepOutputs, EngineStats):
     def idle(self) -> bool:
         """Nothing running, waiting or submitted (and every event out)."""
         b = self.batcher
-        return not b.running and not b.waiting and not self._inbox and not self._deferred
+        return not b.running and not b.waiting and not self._inbox and not self._deferred and not self._pending
 
     def reset_prefix_cache(self) -> int:
         """Drop the cached prompt blocks no request holds (benchmarks' cold starts); returns how many."""
@@ -225,9 +261,7 @@ class Engine(StepOutputs, EngineStats):
         fwd = self.runner.model_s - model_before
         emitted = [seqs[r.id] for r in self.batcher.complete(plan)]
         tokens, rows = sample(logits, emitted, self._generator, self.lm.eos_token_ids) if emitted else ([], None)
-        for seq, tok in zip(emitted, tokens, strict=True):
-            if seq.grammar is not None:
-                seq.grammar.accept(tok)  # before the next step fills its mask
+        emitted, tokens, rows = self._advance_grammars(emitted, tokens, rows)
         lps = self._logprobs(tokens, rows) if rows is not None else [None] * len(tokens)
         done = time.monotonic()
         if runner.asynchronous:
@@ -240,6 +274,20 @@ class Engine(StepOutputs, EngineStats):
         if self.config.check_invariants:
             self._check_invariants()
         return True
+
+    def _advance_grammars(self, emitted: list[Sequence], tokens: list[int], rows: list | None) -> tuple:
+        """Each guided sequence's matcher takes its token before the next step fills its mask; one whose
+        token the grammar does not take (its mask left nothing to draw) ends with an error, never with
+        text outside the grammar. Returns the step's (sequences, tokens, logprob rows) that go on."""
+        dead = [i for i, (seq, tok) in enumerate(zip(emitted, tokens, strict=True))
+                if seq.grammar is not None and not seq.grammar.accept(tok)]  # fmt: skip
+        if not dead:
+            return emitted, tokens, rows
+        for i in dead:
+            message = "guided: the grammar cannot go on with any token of this model's vocabulary"
+            self._finish(emitted[i], "error", message)
+        keep = [i for i in range(len(emitted)) if i not in set(dead)]
+        return [emitted[i] for i in keep], [tokens[i] for i in keep], None if rows is None else [rows[i] for i in keep]
 
     def _prepare(self, request: GenerationRequest, now: float) -> Sequence:
         params = request.params
@@ -264,7 +312,7 @@ class Engine(StepOutputs, EngineStats):
         ledger = self.batcher.ledger
         if ledger is not None and ledger.caching and params.prompt_logprobs is None:
             # prompt log-probabilities need every prompt position's logits: computed, never cached
-            sched.prefix = chain_keys(ids, ledger.block_size)
+            sched.prefix = chain_keys(ids, ledger.block_size, request.cache_salt.encode())
         self.batcher.check(sched)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         seq = Sequence(
