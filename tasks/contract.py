@@ -279,6 +279,22 @@ redis.call('ZREM', KEYS[3], ARGV[6])
 return 1
 """
 
+# End a running job with an error entry when a worker cannot write its stream (a non-transient error,
+# e.g. OOM under maxmemory) instead of retrying for ever. Its first write (HDEL of the stored request,
+# which a finished job no longer needs) frees memory and is not refused under maxmemory; Redis then
+# lets the script's other writes through (a script that has begun writing is not stopped midway).
+# KEYS: job hash, stream. ARGV: stream maxlen, stream ttl, job ttl, message.
+ABORT = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if state == 'done' or state == 'cancelled' then return 0 end
+redis.call('HDEL', KEYS[1], 'request')
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'error', 'message', ARGV[4], 'field', '')
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+redis.call('HSET', KEYS[1], 'state', 'done', 'error', ARGV[4], 'field', '')
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
 # A step's stream entries, applied at most once per (writer, seq). A job's last entry and its final
 # state go together, so a worker that dies after writing the end never leaves a 'running' job that a
 # redelivery would run again.

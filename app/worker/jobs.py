@@ -120,7 +120,7 @@ class JobRunner:
             raise DeadLettered(message)
         if attempt == -2:  # finished before, redelivered before its ack: the same result again
             return json.loads(stored)
-        request = engine_request(job_id, spec)
+        request = engine_request(job_id, spec, shared_prefix_cache=s.prefix_cache_shared)
         extra = {"attempt": int(attempt), "worker": self.hostname}
         self.publisher.annotations[job_id] = extra
         self.inflight.add(job_id, delivery_tag)
@@ -134,6 +134,8 @@ class JobRunner:
                 raise GenerationFailed(f"job {job_id}: its end entry was not written in {s.redis_retry_s} s")
         finally:
             self.inflight.remove(job_id)
+        if (why := self.publisher.failed.pop(job_id, None)) is not None:
+            raise GenerationFailed(why)  # its stream ended with an error entry (publisher._abort)
         if final.reason == "cancelled" and final.error == SHUTDOWN:
             # Back to the queue, unless its client cancelled it during the grace period (a cancel the
             # engine missed: its pub/sub message can be lost while the cancel loop restarts).

@@ -9,12 +9,14 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import redis
 from weightq.engine import Event, FinishEvent, TokenEvent
 from weightq.metrics import EngineMetrics
 from weightq.redis_conn import Durable, NotReplicated, is_transient
 from weightq.tasks.contract import (
+    ABORT,
     STREAM_TICK,
     WRITE_BATCH,
     EntryType,
@@ -31,6 +33,9 @@ log = logging.getLogger(__name__)
 
 
 SHUTDOWN = "worker shutdown"  # the error of requests the engine stops at a warm shutdown
+# A write Redis refuses for a reason a retry cannot fix (OOM under maxmemory, a script error) is tried
+# this many times, then its jobs end with an error entry (ABORT) and the writer goes on.
+REFUSED_TRIES = 3
 
 
 class StreamPublisher:
@@ -59,6 +64,11 @@ class StreamPublisher:
         self._finals: dict[str, threading.Event] = {}  # job id -> set once its finish is written (see expect)
         self._seq = 0
         self._batch_script = client.register_script(WRITE_BATCH)
+        self._abort_script = client.register_script(ABORT)
+        # job id -> why its stream could not be written: its entries are dropped from then on, the
+        # job ends with an error (JobRunner reads this), and `on_write_failed` stops it in the engine
+        self.failed: dict[str, str] = {}
+        self.on_write_failed: Callable[[str], None] | None = None
 
     def __call__(self, event: Event, emitted: float | None = None) -> None:
         """`emitted`: the engine's stamp when it runs in a process of its own (else now)."""
@@ -96,6 +106,7 @@ class StreamPublisher:
                 return
             entries = self._entries(batch)
             self._seq += 1
+            refused = 0
             while entries:
                 try:
                     self._apply(self._seq, entries)
@@ -104,23 +115,47 @@ class StreamPublisher:
                     if is_transient(e):  # Redis restarting or failing over: one line, not a traceback
                         log.warning("writing %d stream entries: %s; retrying", len(entries), e)
                         time.sleep(0.1 if isinstance(e, NotReplicated) else 0.5)
-                    else:
-                        log.exception("writing %d stream entries failed; retrying", len(entries))
-                        time.sleep(0.5)
+                        continue
+                    refused += 1
+                    if refused >= REFUSED_TRIES:
+                        self._abort(entries, e)
+                        break
+                    log.warning("writing %d stream entries refused: %s; retrying", len(entries), e)
+                    time.sleep(0.5)
             for ev, _ in batch:
                 if isinstance(ev, FinishEvent) and (written := self._finals.pop(ev.request_id, None)):
                     written.set()
+
+    def _abort(self, entries: list[tuple], error: redis.RedisError) -> None:
+        """Redis keeps refusing this batch: its jobs end with an error entry (ABORT, which gets
+        through under maxmemory) and stop in the engine; the other jobs' streams go on."""
+        jobs = {job_of_stream(entry[0]) for entry in entries} - self.failed.keys()
+        message = f"the worker cannot write this job's stream: Redis refused it ({str(error)[:200]})"
+        log.error("%s: ending %d jobs with an error", message, len(jobs))
+        for job_id in jobs:
+            self.failed[job_id] = message
+            try:
+                keys = [job_key(job_id), stream_key(job_id)]
+                self.durable.run(self._abort_script, keys, [self.maxlen, self.ttl_s, self.job_ttl_s, message])
+            except redis.RedisError as e:
+                log.error("job %s: its error entry was refused too (%s)", job_id, e)
+            if self.on_write_failed is not None:
+                self.on_write_failed(job_id)
 
     def _entries(self, batch: list[tuple[Event | list[tuple], float]]) -> list[tuple]:
         """What to write for each event worth writing: (stream key, (index, text, token id, stamp))
         for a plain token, else (stream key, fields, the job's final state or None)."""
         out: list[tuple] = []
+        failed = self.failed
         for ev, emitted in batch:
             if isinstance(ev, list):  # a step's token tuples (tokens()), all with the step's stamp
                 ts = f"{emitted:.6f}"
                 for rid, index, token_id, text, logprobs in ev:
-                    out.append(_token_entry(rid, index, token_id, text, logprobs, ts))
+                    if not failed or rid not in failed:
+                        out.append(_token_entry(rid, index, token_id, text, logprobs, ts))
                 continue
+            if failed and ev.request_id in failed:
+                continue  # its stream ended with an error entry (_abort)
             if isinstance(ev, TokenEvent):
                 out.append(_token_entry(ev.request_id, ev.index, ev.token_id, ev.text, ev.logprobs, f"{emitted:.6f}"))
                 continue
