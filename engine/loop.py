@@ -107,6 +107,9 @@ class Engine(StepOutputs, EngineStats):
             item: Sequence | FinishEvent = self._prepare(request, now)
         except (InvalidRequest, RequestRejected) as e:
             item = self._error_event(request.id, str(e), 0, now)
+        except Exception as e:  # a bug preparing it (on the grammar thread: nobody else would hear of it)
+            log.exception("preparing request %s failed", request.id)
+            item = self._error_event(request.id, f"the engine could not prepare this request: {e!r:.300}", 0, now)
         with self._cv:
             self._pending.discard(request.id)
             if request.id in self._cancelled_pending:  # cancelled (or stopped) while it was prepared
@@ -256,12 +259,11 @@ class Engine(StepOutputs, EngineStats):
             self._finish_deferred()
             self._flush_sink()
         runner.synchronize()
-        if runner.prompt_logprobs and runner.prompt_rows:
-            self._prompt_logprobs(runner.prompt_rows)
+        failed = self._prompt_logprobs(runner.prompt_rows) if runner.prompt_logprobs and runner.prompt_rows else {}
         fwd = self.runner.model_s - model_before
         emitted = [seqs[r.id] for r in self.batcher.complete(plan)]
         tokens, rows = sample(logits, emitted, self._generator, self.lm.eos_token_ids) if emitted else ([], None)
-        emitted, tokens, rows = self._advance_grammars(emitted, tokens, rows)
+        emitted, tokens, rows = self._drop_failed(emitted, tokens, rows, failed)
         lps = self._logprobs(tokens, rows) if rows is not None else [None] * len(tokens)
         done = time.monotonic()
         if runner.asynchronous:
@@ -275,18 +277,21 @@ class Engine(StepOutputs, EngineStats):
             self._check_invariants()
         return True
 
-    def _advance_grammars(self, emitted: list[Sequence], tokens: list[int], rows: list | None) -> tuple:
-        """Each guided sequence's matcher takes its token before the next step fills its mask; one whose
-        token the grammar does not take (its mask left nothing to draw) ends with an error, never with
-        text outside the grammar. Returns the step's (sequences, tokens, logprob rows) that go on."""
-        dead = [i for i, (seq, tok) in enumerate(zip(emitted, tokens, strict=True))
-                if seq.grammar is not None and not seq.grammar.accept(tok)]  # fmt: skip
-        if not dead:
+    def _drop_failed(self, emitted: list[Sequence], tokens: list[int], rows: list | None, failed: dict) -> tuple:
+        """After sampling: each guided sequence's matcher takes its token before the next step fills
+        its mask, and one whose token the grammar does not take (its mask left nothing to draw) fails,
+        never going on with text outside the grammar; the sequences in `failed` (id -> why: their
+        prompt log-probabilities) fail too. Failures end with an error; returns the step's
+        (sequences, tokens, logprob rows) that go on."""
+        for seq, tok in zip(emitted, tokens, strict=True):
+            if seq.grammar is not None and not seq.grammar.accept(tok):
+                failed[seq.id] = "guided: the grammar cannot go on with any token of this model's vocabulary"
+        if not failed:
             return emitted, tokens, rows
-        for i in dead:
-            message = "guided: the grammar cannot go on with any token of this model's vocabulary"
-            self._finish(emitted[i], "error", message)
-        keep = [i for i in range(len(emitted)) if i not in set(dead)]
+        for rid, message in failed.items():
+            if rid in self.seqs:
+                self._finish(self.seqs[rid], "error", message)
+        keep = [i for i, seq in enumerate(emitted) if seq.id not in failed]
         return [emitted[i] for i in keep], [tokens[i] for i in keep], None if rows is None else [rows[i] for i in keep]
 
     def _prepare(self, request: GenerationRequest, now: float) -> Sequence:
