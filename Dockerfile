@@ -1,9 +1,11 @@
-# One image for every service of docker-compose.yml (worker, gateway, flower); the command picks the role.
-# The worker extra is the engine (torch, transformers); a gateway-only image could leave it out.
-# GPU workers: build with --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu124 and EXTRAS=worker,flower,cuda.
-FROM python:3.11-slim
-ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
-ARG EXTRAS=worker,flower
+# weightq's images, two targets of one Dockerfile (docker-compose.yml, from `weightq compose`, builds both):
+#   web     the gateway and Flower: `pip install weightq[flower]`, no torch
+#   worker  the engine: torch, transformers, xgrammar and a C/C++ compiler
+# The worker's torch is PyPI's torch==2.13.0, the CUDA build, by default. The CPU image is the explicit variant:
+#   docker build --target worker --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu .
+# (`weightq compose --cpu N` sets it). Both worker images carry g++: on the CPU, COMPILE=auto compiles the
+# paged runner (inductor's C++ and our decode kernel); on CUDA, triton builds its launcher with the C compiler.
+FROM python:3.11-slim AS web
 WORKDIR /srv/weightq
 COPY pyproject.toml README.md ./
 COPY app app
@@ -12,9 +14,21 @@ COPY engine engine
 COPY batcher batcher
 COPY bench bench
 COPY examples examples
-RUN pip install --no-cache-dir "torch==2.13.0" --extra-index-url "$TORCH_INDEX" \
- && pip install --no-cache-dir -e ".[$EXTRAS]" \
- && pip install --no-cache-dir --no-deps "xgrammar==0.2.8" "apache-tvm-ffi==0.1.15.post2"
+RUN pip install --no-cache-dir ".[flower]"
 ENV WEIGHTQ_HOME=/data/weightq HF_HOME=/data/hf
 EXPOSE 8000 5555
-CMD ["weightq", "up", "--host", "0.0.0.0"]
+CMD ["weightq", "gateway", "--host", "0.0.0.0"]
+
+FROM web AS worker
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
+# empty: PyPI (CUDA); https://download.pytorch.org/whl/cpu: the CPU build
+ARG TORCH_INDEX=
+# Structured output: xgrammar without its triton requirement, which the CPU path never imports (the CUDA
+# torch brings triton anyway); see the Makefile.
+RUN pip install --no-cache-dir "torch==2.13.0" ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} \
+ && pip install --no-cache-dir ".[worker]" \
+ && pip install --no-cache-dir --no-deps "xgrammar==0.2.8" "apache-tvm-ffi==0.1.15.post2" \
+ && python -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
+CMD ["weightq", "worker", "-l", "INFO"]

@@ -1,8 +1,16 @@
-"""Prometheus metrics of the workers' engines.
+"""Prometheus metrics of the workers' engines and of the queue.
 
 Each worker keeps its latency histograms and finish counts here and ships a snapshot with its
-heartbeat (Redis hash `weightq:workers`), so whoever serves /metrics (the gateway, or a worker's own
-METRICS_PORT) renders every worker from the same data, labelled by worker name.
+heartbeat (Redis hash `weightq:workers`). Every series is exported once: a gateway's `/metrics` holds
+only its own (HTTP) series, and `/metrics/cluster` (the same answer from any gateway: scrape it as
+one target) renders every live worker from the heartbeats, labelled by worker name, with the queue's
+depth per class and the dead letters. A worker's own METRICS_PORT renders that worker alone (scrape
+those instead of `/metrics/cluster`, never both).
+
+Latency is measured twice: by the engine, from when it received the request
+(`weightq_time_to_first_token_seconds`, `weightq_request_latency_seconds`), and from the job's
+submission, queue time included, as its caller waits (`weightq_job_...`: the submission stamp is the
+client's clock, the finish the worker's, so hosts need synchronised clocks).
 """
 
 from __future__ import annotations
@@ -12,13 +20,17 @@ import threading
 import time
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from weightq.tasks.limits import MAX_PRIORITY
 from weightq.tasks.results import Finished
+from weightq.transport import priority_queues
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+COMPLETED = ("length", "stop", "eos")  # finish reasons whose latency a caller waited out
 STALE_S = 15.0  # a heartbeat older than this belongs to a worker that is gone
 
 
@@ -43,19 +55,51 @@ class EngineMetrics:
         self._lock = threading.Lock()
         self.ttft = Histogram(TTFT_BUCKETS)
         self.tpot = Histogram(TPOT_BUCKETS)
+        self.latency = Histogram(LATENCY_BUCKETS)
+        self.job_ttft = Histogram(LATENCY_BUCKETS)
+        self.job_latency = Histogram(LATENCY_BUCKETS)
         self.finished: Counter[str] = Counter()
+        self._submitted: dict[str, float] = {}  # job id -> its submission (unix s), until it finishes
 
-    def observe(self, ev: Finished) -> None:
+    def submitted(self, job_id: str, at: float) -> None:
+        """The job's submission stamp (its job hash's queued_at), for the latencies from submission."""
+        with self._lock:
+            self._submitted[job_id] = at
+
+    def observe(self, ev: Finished, emitted: float | None = None) -> None:
+        """A finish, emitted at `emitted` (unix s; default now)."""
+        emitted = time.time() if emitted is None else emitted
         with self._lock:
             self.finished[ev.reason] += 1
+            at = self._submitted.pop(ev.request_id, None)
+            job_s = None if at is None else max(0.0, emitted - at)  # clocks of two hosts
             if ev.completion_tokens:
                 self.ttft.observe(ev.ttft_s)
+                if job_s is not None:
+                    self.job_ttft.observe(max(0.0, job_s - (ev.total_s - ev.ttft_s)))
             if ev.completion_tokens > 1:
                 self.tpot.observe((ev.total_s - ev.ttft_s) / (ev.completion_tokens - 1))
+            if ev.reason in COMPLETED:
+                self.latency.observe(ev.total_s)
+                if job_s is not None:
+                    self.job_latency.observe(job_s)
 
     def snapshot(self) -> dict:
         with self._lock:
-            return {"ttft": self.ttft.to_json(), "tpot": self.tpot.to_json(), "finished_by_reason": dict(self.finished)}
+            return {name: getattr(self, name).to_json() for name, _, _ in HISTOGRAMS} | {
+                "finished_by_reason": dict(self.finished)
+            }
+
+
+HISTOGRAMS = (
+    ("ttft", "weightq_time_to_first_token_seconds", "Engine: from receiving the request to its first token"),
+    ("tpot", "weightq_time_per_output_token_seconds", "Mean time between output tokens, per request"),
+    ("latency", "weightq_request_latency_seconds", "Engine: from receiving the request to its last token"),
+    ("job_ttft", "weightq_job_time_to_first_token_seconds", "From the job's submission (queue time included)"
+     " to its first token"),
+    ("job_latency", "weightq_job_latency_seconds", "From the job's submission (queue time included) to its"
+     " last token"),
+)  # fmt: skip
 
 
 GAUGES = (
@@ -104,16 +148,29 @@ class WorkerCollector:
             for reason, n in s.get("metrics", {}).get("finished_by_reason", {}).items():
                 fin.add_metric([w, reason], n)
         yield fin
-        for key, name, doc in (
-            ("ttft", "weightq_time_to_first_token_seconds", "Submission to first token"),
-            ("tpot", "weightq_time_per_output_token_seconds", "Mean time between output tokens, per request"),
-        ):
+        for key, name, doc in HISTOGRAMS:
             h = HistogramMetricFamily(name, doc, labels=["worker"])
             for w, s in workers.items():
                 data = s.get("metrics", {}).get(key)
                 if data:
                     h.add_metric([w], _cumulative(data), data["sum"])
             yield h
+
+
+class QueueCollector:
+    """Jobs waiting in the broker, per queue and priority class: `source` gives {(queue, class): n}."""
+
+    def __init__(self, source: Callable[[], dict[tuple[str, int], int]]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator:
+        depth = GaugeMetricFamily(
+            "weightq_queue_depth", "Jobs waiting in Redis for a worker, by queue and priority class",
+            labels=["queue", "priority"],
+        )  # fmt: skip
+        for (queue, cls), n in sorted(self.source().items()):
+            depth.add_metric([queue, str(cls)], n)
+        yield depth
 
 
 def _cumulative(data: dict) -> list[tuple[str, float]]:
@@ -136,3 +193,15 @@ def live_workers(raw: dict, now: float | None = None) -> dict[str, dict]:
         if now - stats.get("ts", 0) <= STALE_S:
             out[k.decode() if isinstance(k, bytes) else k] = stats
     return out
+
+
+def queue_depths(client, queues: Iterable[str]) -> dict[tuple[str, int], int]:
+    """{(queue, priority class): messages waiting} from the broker's lists (one per class), in one
+    round trip. Delivered messages (a worker's prefetch) are not waiting: they are its jobs."""
+    lists = [
+        (queue, MAX_PRIORITY - i, key) for queue in sorted(set(queues)) for i, key in enumerate(priority_queues(queue))
+    ]
+    pipe = client.pipeline(transaction=False)
+    for _, _, key in lists:
+        pipe.llen(key)
+    return {(queue, cls): n for (queue, cls, _), n in zip(lists, pipe.execute(), strict=True)}

@@ -3,11 +3,12 @@ directory), typed and validated by pydantic-settings, with documented defaults."
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, DotEnvSettingsSource, EnvSettingsSource, SettingsConfigDict
 from weightq.tasks.limits import OPEN_MAX_PRIORITY
 
@@ -42,7 +43,7 @@ class Settings(BaseSettings):
         "auto"  # predictive on the paged runner, worst_case on the padded one; or either
     )
     runner: Literal["auto", "paged", "padded", "simulated"] = (
-        "auto"  # paged | padded | auto (padded for T5/BART ...) | simulated (a measuring tool: engine/simulated.py)
+        "auto"  # paged | padded | auto (padded for T5/BART ...) | simulated (a measuring tool: runner/simulated.py)
     )
     compile: Literal["auto", "on", "off"] = "auto"  # torch.compile the paged runner (auto: on for CPU)
     priority_headroom: float = 0.1  # share of the KV budget background classes (priority < 5) may not take
@@ -55,7 +56,7 @@ class Settings(BaseSettings):
     grammar_compile_timeout_s: float = 10.0
     grammar_compile_memory_mb: int = 2048
     sim_step_cost: str = ""  # RUNNER=simulated (a measuring tool): "fixed_s,per_token_s,per_kv_token_s"
-    # The engine's intra-op threads; 0: cores - 1 on the CPU (engine/setup.py: serving_threads), 1 on CUDA or simulated
+    # The engine's intra-op threads; 0: cores - 1 on the CPU (builder.py: serving_threads), 1 on CUDA or simulated
     torch_threads: int = 0
     # The engine in a process of its own (engine/core_process.py): auto (on for CUDA, simulated, and a CPU
     # engine whose threads leave a core free), on, off
@@ -112,6 +113,17 @@ class Settings(BaseSettings):
     max_body_bytes: int = 4 * 2**20  # larger request bodies get 413
     body_timeout_s: float = 10.0  # a request body not received within this gets 408 (a trickled body)
     request_timeout_s: float = 600.0  # a job with no stream entry for this long is cancelled (504)
+    # Proxies whose X-Forwarded-For names the client (per-address limits, logs): addresses or networks,
+    # comma-separated, "*" (any), or "none"
+    trusted_proxies: str = "127.0.0.1"
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _addresses(cls, value: str) -> str:
+        for item in filter(None, (x.strip() for x in value.split(","))):
+            if item not in ("*", "none"):
+                ipaddress.ip_network(item)  # ValueError: reported by from_env() with the variable
+        return value
 
     @classmethod
     def settings_customise_sources(

@@ -2,7 +2,7 @@
 
 One source of truth for the paged runner's memory: the batcher decides admission on the weight it
 projects and hands out the blocks itself, so the accounting it admits by and the blocks the engine
-writes can never disagree. The pool's tensors live in the engine (engine/kv_cache.py).
+writes can never disagree. The pool's tensors live in the engine (engine/runner/kv_cache.py).
 
 Prefix caching (vLLM's hashed full blocks): a full block of a prompt is known by a key chained over
 every token before it and its own, so equal keys mean equal KV. A registered block stays in the map

@@ -47,6 +47,14 @@ class BatcherConfig:
         sliding-window layers keep a ring of blocks, so a request's weight stops growing with them.
         Prefix caching needs a full kind (the cached blocks are its blocks).
     windows: the window of each window kind, in tokens (a prefix-cache hit needs its last window).
+    fairness: within a priority class, the waiting tenant that has received the least service (KV
+        weight x steps) goes first, instead of arrival order (batcher/fairness.py); one tenant: no change.
+    tenant_cap: a share of max_batch_weight no one tenant's running requests may exceed while other
+        tenants have requests (0: no cap); a tenant's first running request is never held back by it.
+    fair_preemption: a tenant holding less than an equal share of the budget whose request does not
+        fit may preempt the newest requests of the tenants holding the most (never more than it needs,
+        never leaving them below it, never one at max_preemptions): a light tenant's request starts at
+        once beside another's flood.
     """
 
     max_batch_weight: int | None = None
@@ -69,6 +77,9 @@ class BatcherConfig:
     headroom_priority: int = DEFAULT_PRIORITY
     kinds: tuple[tuple[int, int], ...] = ((1, 0),)
     windows: tuple[int, ...] = ()
+    fairness: bool = True
+    tenant_cap: float = 0.0
+    fair_preemption: bool = True
 
     def resolved(self) -> BatcherConfig:
         """Fill in max_batch_weight and check that one maximal request fits; raises ConfigError."""
@@ -85,6 +96,8 @@ class BatcherConfig:
             raise ConfigError(f"mode must be 'worst_case' or 'predictive' (got {cfg.mode!r})")
         if cfg.weight_model == "padded" and cfg.chunked_prefill and cfg.max_prefill_weight:
             cfg = replace(cfg, chunked_prefill=False)  # a padded batch prefills whole prompts
+        if not 0.0 <= cfg.tenant_cap <= 1.0:
+            raise ConfigError(f"tenant_cap must be in [0, 1] (got {cfg.tenant_cap})")
         if not 0.0 <= cfg.priority_headroom < 1.0:
             raise ConfigError(f"priority_headroom must be in [0, 1) (got {cfg.priority_headroom})")
         if cfg.max_preemptions < 0:

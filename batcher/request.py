@@ -44,6 +44,7 @@ class Request:
     fixed_len: int = 0
     runs_to_max: bool = False  # nothing can end it early (EOS ignored, no stop conditions): its length is known
     priority: int = DEFAULT_PRIORITY  # its class, 0-9: a higher class is admitted first (admission.py)
+    tenant: str = ""  # who it is for: within a class, tenants share by service received (fairness.py)
     prefix: tuple[bytes, ...] = ()
     shared: int = 0
     cached: int = 0

@@ -1,7 +1,7 @@
 """Weight models: how many units of KV memory a set of sequences occupies.
 
 token:  paged/flash attention. Each sequence holds its tokens rounded up to the KV block size; with
-        attention kinds (engine/kv_cache.py: full layers and sliding-window layers), a window kind
+        attention kinds (engine/runner/kv_cache.py: full layers and sliding-window layers), a window kind
         holds at most its ring of blocks, so a sequence's weight grows with its context until every
         window is full, then with its full layers alone. Either way it never decreases until the
         request finishes, which is what keeps the projection's peaks at finish steps.

@@ -30,7 +30,7 @@ RUNNING, WAITING = 256, 1024
 
 
 # Gemma 3's layout: one page per block for the full layer, 5 for the window layers, a ring of
-# ceil(511 / 16) + 1 = 33 blocks (engine/kv_cache.py).
+# ceil(511 / 16) + 1 = 33 blocks (engine/runner/kv_cache.py).
 GEMMA3_KINDS = ((1, 0), (5, 33))
 
 
@@ -56,7 +56,7 @@ def build(
         b.complete(plan)
     for _ in range(rng.randint(50, 100)):  # spread the running requests' progress
         b.complete(b.schedule(0.0))
-    b.budget = b._admit_budget = b.projected_peak() + 100  # a full batch: only small requests could still join
+    b.budget = b.admission.budget = b.projected_peak() + 100  # a full batch: only small requests could still join
     for i in range(running * WAITING // RUNNING):  # candidates that cannot fit: admission scans and refuses them
         b.submit(Request(f"wait{i}", 2000, 48, arrival_s=1.0))
     return b, rng
@@ -74,12 +74,12 @@ def median_us(fn, repeats: int) -> float:
 def put_back(b: Batcher, req: Request) -> None:
     """Admit a request that just finished again, decoding where it was: what admission and its first
     step would do, so that the running set keeps its size and shape."""
-    b._order[req.id] = (-req.priority, req.arrival_s, 0)
+    b.order[req.id] = (-req.priority, req.arrival_s, 0)
     req.prefilled = 0
-    b._start(req, req.context_len, 0)
+    b.start(req, req.context_len, 0)
     req.prefilled, req.decoding = req.context_len, True
-    del b._prefilling[req.id]
-    b._set_entry(req.id, b._decoding_entry(req))
+    del b.projector.prefilling[req.id]
+    b.projector.set_entry(req.id, b.projector.decoding_entry(req))
 
 
 def after_change(b: Batcher, rng: random.Random, candidate: Request, repeats: int) -> float:
@@ -102,11 +102,11 @@ def measure(block_size: int, repeats: int, running: int = RUNNING, kinds: tuple 
     b, rng = build(block_size, running, kinds=kinds)
     small = Request("small", 8, 8)
     small.reserved_new = 8
-    committed = b._committed
-    b._committed = 0  # pretend the batch is nearly empty: the naive sum fits
+    committed = b.projector.committed
+    b.projector.committed = 0  # pretend the batch is nearly empty: the naive sum fits
     fast = median_us(lambda: b.fits(small), repeats)
-    b._committed = committed
-    assert not b._naive_fits(small.reserved_total)
+    b.projector.committed = committed
+    assert not b.admission.naive_fits(small.reserved_total)
     mid = Request("mid", 64, 256)
     mid.reserved_new = 256
     projection = after_change(b, rng, mid, repeats)
@@ -115,7 +115,7 @@ def measure(block_size: int, repeats: int, running: int = RUNNING, kinds: tuple 
     idle = median_us(lambda: b.schedule(2.0), repeats)
 
     def full_pass():
-        b._idle = False
+        b.idle = False
         b.schedule(2.0)
 
     full = median_us(full_pass, max(10, repeats // 10))

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import torch
-from weightq.engine.builtin import builtin_path
+from weightq.engine.model import builtin_path
 
 COMMON = {"vocab_size": 32000, "max_position_embeddings": 2048, "initializer_range": 0.1, "tie_word_embeddings": False}
 TINYLLAMA = {  # TinyLlama-1.1B's shape: 1.10B parameters with COMMON's vocabulary

@@ -26,7 +26,7 @@ import time
 
 import torch
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from weightq.engine.builtin import builtin_path
+from weightq.engine.model import builtin_path
 
 NEAR_TIE = 1e-4
 

@@ -5,7 +5,7 @@
 A tiny random model of Gemma 3's shape (6 layers: 5 with a 512-token sliding window, 1 full; the
 built-in tokenizer) serves `requests` requests of about `context` tokens each (a prompt of context -
 new tokens, then `new` tokens, EOS ignored), all submitted at once, with the same KV memory two ways:
-- grouped: the engine's layout (engine/kv_cache.py): full layers keep every block of the context,
+- grouped: the engine's layout (engine/runner/kv_cache.py): full layers keep every block of the context,
   window layers a ring of their window plus one block; the batcher projects both (batcher/weight.py);
 - full: every layer keeps every block of the context (window_rings=False; each window a mask), as if
   every layer were full: what the engine did before attention kinds.
@@ -28,7 +28,7 @@ import torch
 import transformers as T
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from weightq.engine.builtin import builtin_path
+from weightq.engine.model import builtin_path
 
 WINDOW = 512
 

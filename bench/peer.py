@@ -145,7 +145,7 @@ def reference_gaps(model_dir: Path, work, outputs: list[list[int]], diverged: li
         return []
     import torch
     from transformers import AutoModelForCausalLM
-    from weightq.engine.setup import on_fresh_thread  # keeps the model's OpenMP team off the main thread
+    from weightq.engine.builder import on_fresh_thread  # keeps the model's OpenMP team off the main thread
 
     def gaps() -> list[float]:
         model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval()
@@ -171,7 +171,7 @@ def kv_groups(cases: list[tuple[int, int | None]]) -> list[tuple[int, list[int]]
 def run_group(args, kv_tokens: int, sizes: list[int], python: Path, env: dict[str, str], wq_overrides: dict[str, Any]):
     """Start both sides once for this KV setting, then alternate rounds per case."""
     from weightq.engine import Engine, EngineConfig
-    from weightq.engine.builtin import builtin_path
+    from weightq.engine.model import builtin_path
 
     from .engine import NEAR_TIE, workload
 

@@ -108,7 +108,7 @@ def run_mode(engine, work, tag: str) -> dict[str, Any]:
 def run_pressure(args, kv_tokens: int, python: Path, env: dict[str, str], wq_overrides: dict[str, Any]) -> dict:
     """Both batcher modes and vLLM at one KV capacity, rounds rotating the order."""
     from weightq.engine import Engine, EngineConfig
-    from weightq.engine.builtin import builtin_path
+    from weightq.engine.model import builtin_path
 
     from .engine import NEAR_TIE
     from .peer import MAX_MODEL_LEN, PEER_BLOCK, SETTLE_S, first_divergence, parse_overrides, reference_gaps, tally

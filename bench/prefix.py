@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from weightq.engine.builtin import builtin_path
+from weightq.engine.model import builtin_path
 
 from .peer_client import PeerError, VllmPeer, omp_bind, peer_problem, peer_python
 

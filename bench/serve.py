@@ -11,7 +11,7 @@ fixed seed), sent as `/v1/completions` with `prompt` as token ids and `stream: t
 - inproc: `Engine.generate()` in this process on the same requests (the stack idle meanwhile).
 - vllm: vLLM's OpenAI server on the same model directory and requests, when the peer venv exists
   (`make peer`); same client.
-With --runner simulated both sides run the simulated device (engine/simulated.py; no vLLM) and report
+With --runner simulated both sides run the simulated device (engine/runner/simulated.py; no vLLM) and report
 device_busy_pct: modelled device time / the engine's occupied time (first request in -> last one
 out; engine stats `occupied_s`, from the worker's heartbeats on the stack), and device_busy_wall_pct:
 the same device time over the client's wall time (the stack: first request sent -> last token
@@ -41,7 +41,7 @@ from weightq.batcher.sim.simulator import percentile
 from weightq.cli.processes import GatewayProcess, WorkerProcess
 from weightq.cli.redis_server import EmbeddedRedis, free_port
 from weightq.engine import Engine, EngineConfig
-from weightq.engine.builtin import builtin_path
+from weightq.engine.model import builtin_path
 from weightq.tasks.contract import EntryType, job_key, stream_key
 
 from .engine import requests, workload

@@ -12,14 +12,14 @@ except ModuleNotFoundError as e:
         f"weightq's engine needs {e.name}, which is not installed: pip install 'weightq[worker]'", name=e.name
     ) from None
 
+from .builder import serving_threads
 from .config import EngineConfig
 from .core_process import AnyEngine, EngineDied, EngineProcess, own_process
 from .handle import Handle
 from .heap import freeze_startup_heap
 from .loop import Engine
-from .models import LoadedModel, ModelNotFound, load_model
+from .model import LoadedModel, ModelNotFound, load_model
 from .params import Event, FinishEvent, GenerationRequest, InvalidRequest, SamplingParams, TokenEvent
-from .setup import serving_threads
 
 __all__ = [
     "AnyEngine",

@@ -18,7 +18,7 @@ class EngineConfig:
         interface; "padded" (left-padded batch, the model's own cache) for everything else, e.g.
         T5/BART; "auto" picks per model. The padded runner's weight is rows x padded length, and its
         budget, unless set, comes from measuring its memory per weight unit at start-up. "simulated" is
-        a measuring tool (engine/simulated.py): real batcher, blocks, sampling and detokenization
+        a measuring tool (engine/runner/simulated.py): real batcher, blocks, sampling and detokenization
         around a modelled device time (sim_step_cost) instead of the model's forward.
     compile: torch.compile the paged runner's hot path (decode attention reading the KV pool in
         place, and the model's forward with dynamic token counts); compiled and warmed up at

@@ -345,7 +345,7 @@ def own_process(mode: str, config: EngineConfig) -> bool:
         return mode == "on"
     if config.runner == "simulated":
         return True
-    from .models import resolve_device  # torch.cuda.is_available() creates no CUDA context here
+    from .model import resolve_device  # torch.cuda.is_available() creates no CUDA context here
 
     if resolve_device(config.device).type != "cpu":
         return True

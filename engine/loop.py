@@ -17,11 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from weightq.batcher import Request, RequestRejected, chain_keys
 
+from .builder import build, on_fresh_thread
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, StopMatcher, TokenTexts
 from .grammar import Grammars
 from .handle import Handle
-from .models import LoadedModel
+from .model import LoadedModel
 from .outputs import Deferred, StepOutputs
 from .params import (
     Event,
@@ -31,10 +32,9 @@ from .params import (
     InvalidRequest,
 )
 from .prompt import prompt_ids, render_chat
-from .runner import Work
+from .runner.base import Work
 from .sampling import sample
 from .sequence import Sequence
-from .setup import build, on_fresh_thread
 from .stats import EngineStats
 from .warmup import warm_up
 
@@ -310,8 +310,19 @@ class Engine(StepOutputs, EngineStats):
             raise InvalidRequest("prompt", f"{len(ids)} tokens exceeds max_input_length {self.max_input_length}")
         # An encoder-decoder's input is its encoder's: padded on its own, the batcher's fixed part.
         fixed = len(ids) if self.lm.seq2seq else 0
+        # None: until the context limit, as OpenAI's chat API runs (predictive admission reserves
+        # the expected length, not all of it)
+        max_new = params.max_new_tokens
+        if max_new is None:
+            max_new = self.batcher.config.max_total_tokens - len(ids)
         sched = Request(
-            request.id, len(ids), params.max_new_tokens, arrival_s=now, fixed_len=fixed, priority=request.priority
+            request.id,
+            len(ids),
+            max_new,
+            arrival_s=now,
+            fixed_len=fixed,
+            priority=request.priority,
+            tenant=request.tenant,
         )
         sched.runs_to_max = params.ignore_eos and not params.stop and not params.stop_token_ids
         ledger = self.batcher.ledger

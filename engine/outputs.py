@@ -20,7 +20,7 @@ from .sampling import RowLogprobs
 from .sequence import Sequence
 
 if TYPE_CHECKING:
-    from .models import LoadedModel
+    from .model import LoadedModel
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions whose log_softmax is taken at once
 

@@ -31,7 +31,7 @@ class SamplingParams:
     whatever else shares the batch. Within the contract's limits (tasks/limits.py); the defaults serve
     callers of the engine itself (the worker sets every field)."""
 
-    max_new_tokens: int = 64
+    max_new_tokens: int | None = 64  # None: until the context limit (max_total_tokens less the prompt)
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -74,6 +74,7 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     messages: list[dict[str, str]] | None = None  # a chat, rendered with the tokenizer's chat template
     priority: int = DEFAULT_PRIORITY  # its class, 0-9: higher is admitted first (batcher/admission.py)
+    tenant: str = ""  # who it is for: tenants share a class by service received (batcher/fairness.py)
     # Salts its prompt's prefix-cache keys: requests find only the cached blocks of prompts with the
     # same salt (the worker gives each tenant its own; "" shares the cache with every unsalted request).
     cache_salt: str = ""

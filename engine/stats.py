@@ -10,8 +10,8 @@ if TYPE_CHECKING:
     from weightq.batcher import Batcher
 
     from .config import EngineConfig
-    from .models import LoadedModel
-    from .runner import Runner
+    from .model import LoadedModel
+    from .runner.base import Runner
     from .sequence import Sequence
 
 
@@ -75,7 +75,7 @@ class EngineStats:
             "prefix_cache": bool(b.ledger is not None and b.ledger.caching),
             "prefix_hit_rate": round(st.cached_tokens / st.prompt_tokens, 4) if st.prompt_tokens else 0.0,
             "prefix_cached_tokens": st.cached_tokens,
-            "prefix_shared_blocks": b.shared.held,
+            "prefix_shared_blocks": b.paging.shared.held,
         }
 
     def _count(self, prefill: int, decode: int, forward_s: float, step_s: float) -> None:

@@ -16,7 +16,8 @@ Keys (all expire; see Settings):
   weightq:started-hw   a hash: per priority class, the latest submission time of a job of that class
                        that has started (FIFO high-water marks: the broker keeps a list per class)
   weightq:dead         a list: JSON records of dead-lettered jobs (too many attempts), newest first
-  weightq:workers      a hash: each worker's heartbeat (its stats as JSON, with "ts")
+  weightq:workers      a hash: each worker's heartbeat (its stats as JSON, with "ts", "queue" and
+                       "served_model")
   weightq:cancel       a pub/sub channel: a running job's id, published when a client cancels it
 
 A reader reads the stream from 0-0, so attaching late misses nothing. A job restarted after its worker
@@ -231,7 +232,8 @@ return 0
 # answers the same attempt: retries never count as attempts.
 # KEYS: job hash, stream, queued set, high-water mark, dead list.
 # ARGV: stream maxlen, stream ttl, job ttl, max attempts, now, worker name, job id, cancelled result,
-# run id (unique per run), the job's priority class.
+# run id (unique per run), the job's priority class. Returns {attempt, '', the job's submission stamp}
+# for a run that starts, else {code < 0, the stored result or the dead letter's message}.
 BEGIN = """
 local state = redis.call('HGET', KEYS[1], 'state')
 redis.call('ZREM', KEYS[3], ARGV[7])
@@ -245,7 +247,7 @@ if state == 'cancelled' or redis.call('HGET', KEYS[1], 'cancel') then
 end
 if state == 'done' then return {-2, redis.call('HGET', KEYS[1], 'result') or ''} end
 if state == 'running' and redis.call('HGET', KEYS[1], 'run') == ARGV[9] then
-  return {tonumber(redis.call('HGET', KEYS[1], 'attempt')), ''}
+  return {tonumber(redis.call('HGET', KEYS[1], 'attempt')), '', redis.call('HGET', KEYS[1], 'queued_at') or ''}
 end
 local q = tonumber(redis.call('HGET', KEYS[1], 'queued_at') or '0')
 if q > tonumber(redis.call('HGET', KEYS[4], ARGV[10]) or '0') then redis.call('HSET', KEYS[4], ARGV[10], q) end
@@ -264,7 +266,7 @@ end
 redis.call('HSET', KEYS[1], 'state', 'running', 'run', ARGV[9])
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'attempt', 'attempt', n)
 redis.call('EXPIRE', KEYS[2], ARGV[2])
-return {n, ''}
+return {n, '', redis.call('HGET', KEYS[1], 'queued_at') or ''}
 """
 
 # Fail a job before it runs (a refused request): once, however often it is retried or redelivered.

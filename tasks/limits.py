@@ -114,9 +114,10 @@ class Door(StrEnum):
 @dataclass(frozen=True, slots=True)
 class Defaults:
     """What a door fills in for a field its caller left out (every other field has one default,
-    JobRequest's)."""
+    JobRequest's). `max_new_tokens` None: until the context limit (the worker's max_total_tokens less
+    the prompt's tokens), as OpenAI's chat API and vLLM do."""
 
-    max_new_tokens: int
+    max_new_tokens: int | None
     temperature: float = 0.0
 
 
@@ -125,9 +126,10 @@ DEFAULTS = {
     Door.JOB: Defaults(max_new_tokens=64),
     # OpenAI's legacy completions API defaults max_tokens to 16 and temperature to 1
     Door.COMPLETIONS: Defaults(max_new_tokens=16, temperature=1.0),
-    # OpenAI's chat API has no max_tokens default (it runs to the context limit: issue 34 will do the
-    # same); until then the job's 64. Its temperature defaults to 1.
-    Door.CHAT: Defaults(max_new_tokens=64, temperature=1.0),
+    # OpenAI's chat API has no max_tokens default: it runs to the context limit (vLLM does the same).
+    # Predictive admission reserves the expected length, not the whole context; worst-case mode
+    # reserves it all. Its temperature defaults to 1.
+    Door.CHAT: Defaults(max_new_tokens=None, temperature=1.0),
     # TGI's max_new_tokens default; TGI is greedy unless asked to sample (tgi_api sets temperature 1 then)
     Door.TGI: Defaults(max_new_tokens=100),
     # a demo in the terminal: a few lines of text per prompt

@@ -43,7 +43,7 @@ from .limits import (
     Door,
 )
 
-OPTIONAL = {"seed", "logprobs", "prompt_logprobs"}  # integer fields that may be None (unset)
+OPTIONAL = {"seed", "logprobs", "prompt_logprobs", "max_new_tokens"}  # integer fields that may be None
 
 
 class RequestError(ValueError):
@@ -133,8 +133,8 @@ class JobRequest:
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
     messages: tuple[Message, ...] | None = None  # a chat, rendered with the model's chat template
-    # length
-    max_new_tokens: int = DEFAULTS[Door.JOB].max_new_tokens
+    # length; None: until the context limit (the worker's max_total_tokens less the prompt's tokens)
+    max_new_tokens: int | None = DEFAULTS[Door.JOB].max_new_tokens
     min_tokens: int = 0  # EOS and stop_token_ids are held back until this many tokens are out
     # sampling: temperature 0 is greedy; top_k 0 and top_p 1 are off; a seed makes a run reproducible
     temperature: float = 0.0
@@ -205,7 +205,7 @@ class JobRequest:
                 raise RequestError(name, f"must be an integer (got {type(v).__name__})")
             if v not in allowed:
                 raise RequestError(name, f"must be between {allowed.lo} and {allowed.hi} (got {v})")
-        if self.min_tokens > self.max_new_tokens:
+        if self.max_new_tokens is not None and self.min_tokens > self.max_new_tokens:
             raise RequestError(
                 "min_tokens", f"must be at most max_new_tokens {self.max_new_tokens} (got {self.min_tokens})"
             )
@@ -271,7 +271,7 @@ class JobRequest:
         """Refuse what every worker would refuse without a tokenizer: more new tokens than a serving
         limit of `max_total_tokens` (prompt + output) leaves room for, a prompt being at least one token,
         and a prompt of token ids that leaves no room for one new token."""
-        if max_total_tokens and self.max_new_tokens > max_total_tokens - 1:
+        if max_total_tokens and self.max_new_tokens is not None and self.max_new_tokens > max_total_tokens - 1:
             raise RequestError(
                 "max_new_tokens",
                 f"{self.max_new_tokens} leaves no room for a prompt within max_total_tokens {max_total_tokens} "
@@ -320,7 +320,8 @@ FIELDS = frozenset(f.name for f in fields(JobRequest))
 
 def parse_request(data: object, door: Door = Door.JOB, *, max_total_tokens: int = 0) -> JobRequest:
     """The checked request of a JSON object; raises RequestError naming the first bad field. A null
-    field counts as unset; `door` fills in its defaults (tasks/limits.py: DEFAULTS);
+    field counts as unset, but for max_new_tokens, where null means until the context limit (as vLLM
+    reads it; to_json() writes it so); `door` fills in its defaults (tasks/limits.py: DEFAULTS);
     `max_total_tokens`, when known (the gateway reads it from the workers' heartbeats), refuses a
     max_new_tokens that leaves no room for a prompt."""
     if not isinstance(data, Mapping):
@@ -328,7 +329,7 @@ def parse_request(data: object, door: Door = Door.JOB, *, max_total_tokens: int 
     unknown = sorted((str(k) for k in data if k not in FIELDS), key=str)
     if unknown:
         raise RequestError(field_name(unknown[0]), f"unknown field; accepted: {', '.join(sorted(FIELDS))}")
-    values = {k: v for k, v in data.items() if v is not None}
+    values = {k: v for k, v in data.items() if v is not None or k == "max_new_tokens"}
     defaults = DEFAULTS[door]
     values.setdefault("max_new_tokens", defaults.max_new_tokens)
     values.setdefault("temperature", defaults.temperature)

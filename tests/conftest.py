@@ -18,7 +18,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_path():
-    from weightq.engine.builtin import builtin_path
+    from weightq.engine.model import builtin_path
 
     return builtin_path("tiny")
 
@@ -27,7 +27,7 @@ def tiny_path():
 def tiny_loaded():
     """The tiny model loaded for the engine (paged attention)."""
     from weightq.engine.attention import register
-    from weightq.engine.models import load_model
+    from weightq.engine.model import load_model
 
     return load_model("builtin:tiny", device="cpu", attn_implementation=register("sdpa"))
 

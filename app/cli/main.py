@@ -7,10 +7,19 @@ import json
 import sys
 
 from weightq.batcher import BatcherConfig, ConfigError
-from weightq.batcher.sim import POLICIES, StepCost, load_trace, sharegpt_like, simulate_mixed, simulate_policies
+from weightq.batcher.sim import (
+    POLICIES,
+    StepCost,
+    load_trace,
+    sharegpt_like,
+    simulate_mixed,
+    simulate_policies,
+    simulate_tenants,
+)
 from weightq.tasks.limits import DEFAULTS, Door
 
 from .batch_cmd import batch_parser
+from .compose import compose_parser
 from .redis_server import ensure_redis
 from .stack import require_worker_extra, stack_parsers
 
@@ -55,11 +64,15 @@ def _sim_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--preset",
-        choices=["mixed"],
+        choices=["mixed", "tenants"],
         default=None,
         help="mixed: 20%% interactive (priority 9) and 80%% background (0) at --rate (default 6/s), "
-        "with priorities, interactive alone, and one class; prints interactive TTFT p99 and throughput ratios",
+        "with priorities, interactive alone, and one class; prints interactive TTFT p99 and throughput ratios. "
+        "tenants: one tenant's batch of --requests (default 1000 here) at t=0 and another's request a second, "
+        "one class: fair sharing, the light tenant alone and first come first served; its TTFT, throughput, "
+        "Jain's fairness index",
     )
+    p.add_argument("--tenant-cap", type=float, default=0.0, help="share of the budget one tenant may hold (0: off)")
     p.add_argument("--jump-window", type=float, default=1.0, help="seconds a later request may jump (0 = FIFO)")
     p.add_argument("--max-wait", type=float, default=30.0, help="seconds after which nothing jumps a request")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of the policies")
@@ -86,6 +99,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         max_wait_s=args.max_wait,
         prefix_caching=args.prefix_cache,
         priority_headroom=args.priority_headroom,
+        tenant_cap=args.tenant_cap,
     )
     try:
         cfg = cfg.resolved()
@@ -95,6 +109,11 @@ def cmd_sim(args: argparse.Namespace) -> int:
         kw = {"rate": args.rate} if args.rate else {}
         mixed = simulate_mixed(cfg, args.step_cost, n=args.requests, seed=args.seed, **kw)
         print(json.dumps(mixed, indent=None if args.json else 2))
+        return 0
+    if args.preset == "tenants":
+        flood = args.requests if args.requests != 2000 else 1000
+        out = simulate_tenants(cfg, args.step_cost, flood=flood, light_rate=args.rate or 1.0, seed=args.seed)
+        print(json.dumps(out, indent=None if args.json else 2))
         return 0
     if args.trace:
         trace = load_trace(args.trace, args.max_new_tokens)
@@ -154,7 +173,8 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from weightq.tasks.request import RequestError, parse_request
 
-    asked = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
+    given = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
+    asked = {k: v for k, v in given.items() if v is not None}  # unset: the door's defaults
     try:  # checked as any job is, before the model loads
         jobs = [parse_request({"prompt": p, "seed": args.seed, **asked}, Door.CLI) for p in args.prompts]
     except RequestError as e:
@@ -276,7 +296,10 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     url = ensure_redis(settings)
     app = create_app(settings.model_copy(update={"gateway_host": host}), url)  # its Host check knows the bind
     server = uvicorn.Server(
-        uvicorn.Config(app, host=host, port=port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        # proxy_headers off: the app applies TRUSTED_PROXIES itself (however it is served)
+        uvicorn.Config(
+            app, host=host, port=port, log_level=args.log_level, timeout_graceful_shutdown=5, proxy_headers=False
+        )
     )
     stop = server.handle_exit
 
@@ -298,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     _gateway_parser(sub)
     batch_parser(sub)
     stack_parsers(sub)
+    compose_parser(sub)
     return parser
 
 

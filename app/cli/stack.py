@@ -73,7 +73,7 @@ class Stack:
 
     def flower_command(self) -> list[str]:
         auth = os.environ.get("FLOWER_BASIC_AUTH")
-        flower = [sys.executable, "-m", "celery", "-A", "app", "flower", f"--port={self.flower_port}"]
+        flower = [sys.executable, "-m", "celery", "-A", "weightq", "flower", f"--port={self.flower_port}"]
         return [*flower, f"--address={self.flower_address}", *([f"--basic-auth={auth}"] if auth else [])]
 
     def _spawn(self, name: str, cmd: list[str], env: dict) -> None:

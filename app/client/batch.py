@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -159,8 +160,10 @@ class BatchRun:
         bar=None,
         formats: list[LineFormat] | None = None,
         priority: int | None = None,
+        watch: Callable[[], None] | None = None,
     ) -> None:
         self.client = client
+        self.watch = watch  # called while waiting for jobs to end (weightq batch: are there workers?)
         self.out = output
         self.formats: list[LineFormat] = [*(formats or []), JobLines()]  # the first that matches a line
         # Set by the SIGINT handler and checked at safe points. A KeyboardInterrupt raised wherever the
@@ -250,6 +253,8 @@ class BatchRun:
             self.write(fmt.done(line_id, obj, job_id, res))
             self._tick()
         if wait and not ended:
+            if self.watch is not None:
+                self.watch()
             self.stop.wait(0.05)
 
     def cancel_inflight(self) -> int:
@@ -278,8 +283,10 @@ def run_batch(
     progress: bool = True,
     formats: list[LineFormat] | None = None,
     priority: int | None = None,
+    watch: Callable[[], None] | None = None,
 ) -> tuple[dict, bool]:
-    """Returns (summary, interrupted). `priority`: the class of lines that name none."""
+    """Returns (summary, interrupted). `priority`: the class of lines that name none; `watch`: called
+    now and then while jobs run."""
     from tqdm import tqdm
 
     skip = done_ids(output_path)
@@ -287,7 +294,9 @@ def run_batch(
     bar = tqdm(total=total, unit="req", file=sys.stderr, disable=not progress, dynamic_ncols=True)
     interrupted = False
     with open(output_path, "a", encoding="utf-8") as out, open(input_path, encoding="utf-8", errors="replace") as f:
-        run = BatchRun(client, out, max_in_flight=max_in_flight, bar=bar, formats=formats, priority=priority)
+        run = BatchRun(
+            client, out, max_in_flight=max_in_flight, bar=bar, formats=formats, priority=priority, watch=watch
+        )
         try:
             with _sigint_sets(run.stop):
                 run.submit_lines(enumerate(f, start=1), skip)

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from kombu.exceptions import OperationalError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from weightq.settings import Settings
 from weightq.tasks.contract import JobFailed
 from weightq.tasks.request import RequestError
@@ -33,6 +34,8 @@ def create_app(settings: Settings | None = None, url: str | None = None) -> Fast
     app = FastAPI(title="weightq gateway", version=VERSION, lifespan=gw.lifespan)
     app.state.gateway = gw
     app.add_middleware(Guard, gateway=gw)
+    # outermost: the client's address from X-Forwarded-For, when a trusted proxy sent it (Guard's limits)
+    app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=gw.settings.trusted_proxies)
 
     @app.exception_handler(HTTPError)
     async def on_http_error(request: Request, e: HTTPError) -> Response:
@@ -75,6 +78,13 @@ def create_app(settings: Settings | None = None, url: str | None = None) -> Fast
 
     @app.get("/metrics")
     def metrics() -> Response:
+        """This gateway's own series: scrape every gateway."""
         return Response(generate_latest(gw.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/metrics/cluster")
+    def cluster_metrics() -> Response:
+        """Every live worker's series, the queue depth and the dead letters, read from Redis: the same
+        from any gateway, so scrape it as one target (never every gateway: that counts each twice)."""
+        return Response(generate_latest(gw.cluster), media_type=CONTENT_TYPE_LATEST)
 
     return app

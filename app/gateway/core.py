@@ -21,7 +21,7 @@ import redis
 from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from weightq.client import Client
-from weightq.metrics import WorkerCollector, live_workers
+from weightq.metrics import QueueCollector, WorkerCollector, live_workers, queue_depths
 from weightq.redis_conn import redacted
 from weightq.settings import Settings
 from weightq.tasks.contract import DEAD, HEARTBEATS, Replay, job_key, outcome
@@ -71,9 +71,12 @@ class Gateway:
         self.streams_open = Gauge(
             "weightq_http_streams_open", "Streaming responses in progress", registry=self.registry
         )
-        self.registry.register(WorkerCollector(self.workers))
+        # What every gateway would render alike (from Redis) is exported apart, to be scraped once.
+        self.cluster = CollectorRegistry()
+        self.cluster.register(WorkerCollector(self.workers))
+        self.cluster.register(QueueCollector(self.queue_depths))
         dead = Gauge("weightq_dead_letters", "Jobs dead-lettered after too many attempts (weightq:dead)",
-                     registry=self.registry)  # fmt: skip
+                     registry=self.cluster)  # fmt: skip
         dead.set_function(lambda: self._llen(DEAD))
 
     # ----- plumbing -----------------------------------------------------------------------------
@@ -96,6 +99,14 @@ class Gateway:
             return float(self.client.redis.llen(key))
         except redis.RedisError:
             return float("nan")
+
+    def queue_depths(self) -> dict[tuple[str, int], int]:
+        """Per class, the jobs waiting on this gateway's queue and on every queue a live worker serves."""
+        queues = {self.settings.queue, *(w.get("queue") or self.settings.queue for w in self.workers().values())}
+        try:
+            return queue_depths(self.client.redis, queues)
+        except redis.RedisError:
+            return {}
 
     def workers(self) -> dict[str, dict]:
         try:

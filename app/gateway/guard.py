@@ -23,6 +23,7 @@ KNOWN_ROUTES = {
     "/info",
     "/health",
     "/metrics",
+    "/metrics/cluster",
 }
 
 

@@ -98,8 +98,7 @@ def completion_job(body: dict, served_model: str) -> dict:
         job["prompt_token_ids"] = prompt
     else:
         raise RequestError("prompt", "must be a string, a list of token ids, or a list of those")
-    job["max_new_tokens"] = body.get("max_tokens")
-    return job
+    return job | max_tokens(body, "max_tokens")
 
 
 def echoes(body: dict, prompts: list[str | None]) -> list[str] | None:
@@ -158,8 +157,16 @@ def chat_job(body: dict, served_model: str) -> dict:
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages", "must be a non-empty list of messages")
     job["messages"] = [_message(i, m) for i, m in enumerate(messages)]
-    job["max_new_tokens"] = body.get("max_completion_tokens", body.get("max_tokens"))
-    return job
+    return job | max_tokens(body, "max_completion_tokens", "max_tokens")
+
+
+def max_tokens(body: dict, *names: str) -> dict:
+    """The job's max_new_tokens from the first of `names` given; an explicit null is until the
+    context limit (as vLLM reads it), none at all leaves the door's default."""
+    for name in names:
+        if body.get(name) is not None:
+            return {"max_new_tokens": body[name]}
+    return {"max_new_tokens": None} if any(name in body for name in names) else {}
 
 
 def _message(i: int, m: object) -> object:

@@ -16,6 +16,10 @@ if TYPE_CHECKING:
     from .core import Gateway
 
 
+# nginx buffers a proxied response unless told not to: a stream would arrive in bursts, or at its end
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
 async def stream(
     gw: Gateway, job_id: str, chunks: Callable[[str, dict], list[str]], last_id: str = "0-0", *, owner: bool = True
 ) -> StreamingResponse:
@@ -59,7 +63,7 @@ async def stream(
             if not finished and owner:
                 gw.cancel_soon(job_id)
 
-    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 async def stream_many(
@@ -129,7 +133,7 @@ async def stream_many(
                 t.cancel()
             await close_all(cancel=len(finished) < len(its))
 
-    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 def sse(data: dict | str, event_id: str | None = None) -> str:

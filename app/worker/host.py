@@ -78,7 +78,13 @@ class WorkerHost:
         return self.sweeper.sweep()
 
     def stats(self) -> dict:
-        stats = self.engine.stats() | {"active_jobs": len(self.inflight), "hostname": self.hostname}
+        s = self.settings
+        stats = self.engine.stats() | {
+            "active_jobs": len(self.inflight),
+            "hostname": self.hostname,
+            "queue": s.queue,  # what `weightq batch` and the gateway's queue depth look for
+            "served_model": s.served_model_name or s.model,
+        }
         if self.publisher.metrics is not None:
             stats["metrics"] = self.publisher.metrics.snapshot()
         return stats

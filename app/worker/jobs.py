@@ -94,7 +94,7 @@ class JobRunner:
     def _run(self, job_id: str, spec: JobRequest, delivery_tag: str | None) -> dict:
         s = self.settings
         run_id = uuid.uuid4().hex  # makes a retried BEGIN a no-op (tasks/contract.py)
-        attempt, stored = self.retrying(
+        attempt, stored, *submitted = self.retrying(
             lambda: self.durable.run(
                 self._begin,
                 [job_key(job_id), stream_key(job_id), QUEUED, STARTED_HW, DEAD],
@@ -121,6 +121,8 @@ class JobRunner:
         if attempt == -2:  # finished before, redelivered before its ack: the same result again
             return json.loads(stored)
         request = engine_request(job_id, spec, shared_prefix_cache=s.prefix_cache_shared)
+        if self.publisher.metrics is not None and submitted and submitted[0]:
+            self.publisher.metrics.submitted(job_id, float(submitted[0]))  # latency from submission
         extra = {"attempt": int(attempt), "worker": self.hostname}
         self.publisher.annotations[job_id] = extra
         self.inflight.add(job_id, delivery_tag)

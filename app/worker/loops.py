@@ -5,7 +5,7 @@
   dead worker's jobs outlive the visibility timeout and are redelivered;
 - backpressure: the consumer's prefetch follows what the engine could admit soon, so several
   workers on one queue share it and none hoards jobs it cannot start;
-- recovery (recovery.py) and the heartbeat (the worker's stats, for the gateway and `weightq stats`).
+- recovery (recovery.py) and the heartbeat (the worker's stats, for the gateway, `weightq batch` and Flower).
 """
 
 from __future__ import annotations

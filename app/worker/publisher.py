@@ -72,9 +72,10 @@ class StreamPublisher:
 
     def __call__(self, event: Event, emitted: float | None = None) -> None:
         """`emitted`: the engine's stamp when it runs in a process of its own (else now)."""
-        self._pending.append((event, emitted or time.time()))  # readers measure latency from here
+        stamp = emitted or time.time()
+        self._pending.append((event, stamp))  # readers measure latency from here
         if self.metrics is not None and isinstance(event, FinishEvent):
-            self.metrics.observe(event)
+            self.metrics.observe(event, stamp)
 
     def tokens(self, tokens: list[tuple], emitted: float) -> None:
         """A step's tokens from an engine process, as its (request id, index, token id, text,

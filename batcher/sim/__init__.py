@@ -2,8 +2,8 @@
 
 from .cost import StepCost
 from .policies import POLICIES, make_batcher
-from .simulator import simulate, simulate_mixed, simulate_policies
-from .trace import TraceRequest, load_trace, mixed_priority, sharegpt_like
+from .simulator import simulate, simulate_mixed, simulate_policies, simulate_tenants
+from .trace import TraceRequest, load_trace, mixed_priority, sharegpt_like, two_tenants
 
 __all__ = [
     "POLICIES",
@@ -16,4 +16,6 @@ __all__ = [
     "simulate",
     "simulate_mixed",
     "simulate_policies",
+    "simulate_tenants",
+    "two_tenants",
 ]

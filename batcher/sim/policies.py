@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..admission import Batcher, StepPlan
+from ..batcher import Batcher
 from ..config import BatcherConfig
+from ..plan import StepPlan
+from ..preemption import preempt
 from ..request import Request
 
 
@@ -22,7 +24,8 @@ class StaticBatcher(Batcher):
     def __init__(self, config: BatcherConfig) -> None:
         super().__init__(replace(config, jump_window_s=0.0))
         self.slots = self.budget // self.config.max_total_tokens
-        self.ledger = None  # it admits by count, not weight: nothing bounds its blocks (the simulator counts overflows)
+        # it admits by count, not weight: nothing bounds its blocks (the simulator counts overflows)
+        self.ledger = self.paging.ledger = None
 
     def fits(self, req: Request, chunk: int | None = None, ahead: int = 0) -> bool:
         return len(self.running) < self.slots
@@ -33,7 +36,7 @@ class TgiBatcher(Batcher):
         super().__init__(replace(config, jump_window_s=0.0, mode="worst_case"))
 
     def fits(self, req: Request, chunk: int | None = None, ahead: int = 0) -> bool:
-        return self._naive_fits(req.reserved_total)
+        return self.admission.naive_fits(req.reserved_total)
 
 
 class OptimisticBatcher(Batcher):
@@ -51,9 +54,9 @@ class OptimisticBatcher(Batcher):
 
     def schedule(self, now: float) -> StepPlan:
         preempted: list[Request] = []
-        while self.running and self._next_weight() > self.budget:
-            victim = max(self.running.values(), key=lambda r: self._order[r.id])
-            self._preempt(victim)
+        while self.running and self.weight_with(1) > self.budget:
+            victim = max(self.running.values(), key=lambda r: self.order[r.id])
+            preempt(self, victim)
             preempted.append(victim)
         plan = super().schedule(now)
         plan.preempted = preempted + plan.preempted

@@ -22,6 +22,7 @@ class TraceRequest:
     prefix_group: str = ""
     prefix_len: int = 0
     priority: int = DEFAULT_PRIORITY  # its class, 0-9 (higher admitted first)
+    tenant: str = ""  # who sent it (fairness within a class: batcher/fairness.py)
 
 
 def sharegpt_like(
@@ -62,10 +63,23 @@ def mixed_priority(
     return [replace(r, priority=9 if rng.random() < share else 0) for r in base]
 
 
+def two_tenants(
+    flood: int = 1000, *, light_rate: float = 1.0, light: int = 60, seed: int = 0, max_new_tokens: int = 1024
+) -> list[TraceRequest]:
+    """The preset multi-tenant trace: tenant "batch" submits `flood` ShareGPT-like requests at t=0 (a
+    10,000-line batch file, scaled), tenant "app" one request every 1/light_rate seconds, all in one class."""
+    heavy = sharegpt_like(flood, seed=seed, max_new_tokens=max_new_tokens)
+    rng = random.Random(seed + 7)
+    lights = sharegpt_like(light, seed=seed + 3, max_new_tokens=max_new_tokens)
+    return [replace(r, tenant="batch") for r in heavy] + [
+        replace(r, tenant="app", arrival_s=i / light_rate + rng.random() * 0.01) for i, r in enumerate(lights)
+    ]
+
+
 def load_trace(path: str | Path, max_new_tokens: int = 1024) -> list[TraceRequest]:
     """JSONL lines {"input_len": int, "output_len": int} with optional "max_new_tokens", "arrival_s",
-    "prefix_group" + "prefix_len" (input tokens shared by the group's requests: prefix caching), and
-    "priority" (0-9, default 5 as a job's)."""
+    "prefix_group" + "prefix_len" (input tokens shared by the group's requests: prefix caching),
+    "priority" (0-9, default 5 as a job's) and "tenant"."""
     out: list[TraceRequest] = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
@@ -81,6 +95,7 @@ def load_trace(path: str | Path, max_new_tokens: int = 1024) -> list[TraceReques
                     str(d.get("prefix_group", "")),
                     int(d.get("prefix_len", 0)),
                     int(d.get("priority", DEFAULT_PRIORITY)),
+                    str(d.get("tenant", "")),
                 )
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{lineno}: bad trace line ({e!r}): {line.strip()[:200]}") from e

@@ -20,7 +20,7 @@ from .meta import StepMeta
 from .paged import write_kv
 
 if TYPE_CHECKING:
-    from ..runner import Work
+    from ..runner.base import Work
 
 
 def available() -> bool:

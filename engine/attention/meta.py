@@ -1,6 +1,6 @@
 """What attention needs for one step, built once by the runner and read by every layer.
 
-One `KindMeta` per attention kind (engine/kv_cache.py): where each token's K/V is written, which pool
+One `KindMeta` per attention kind (engine/runner/kv_cache.py): where each token's K/V is written, which pool
 pages each decode row and prompt chunk reads, and the masks. A kind's layers come in groups sharing
 its block tables; a group's pages are one column of a unit (`slots[col]`, `blocks[col]`), so the
 positions, masks and lengths are built once per kind, not once per layer.
@@ -9,11 +9,14 @@ positions, masks and lengths are built once per kind, not once per layer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..kv_cache import KVCache
 from .decode_kernel import Kernel
+
+if TYPE_CHECKING:
+    from ..runner.kv_cache import KVCache
 
 
 @dataclass(slots=True)

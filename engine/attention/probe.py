@@ -4,7 +4,7 @@ transformers calls the attention function with per-layer extras as keyword argum
 that drops one it does not know computes something else, silently (a model with sliding windows,
 soft-capping or attention sinks gives other text). So before a model serves, one tiny forward runs
 with a recording attention function: every layer's call is checked against what paged.py implements,
-and each layer's window and KV shapes come out of it (the KV layout, engine/kv_cache.py). Features
+and each layer's window and KV shapes come out of it (the KV layout, engine/runner/kv_cache.py). Features
 that never reach the attention function (state-space layers, attention that masks by chunks or looks
 ahead) are read from the config. Anything else is refused with a message saying what to do.
 """

@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from weightq.engine.attention import dense_attention
 from weightq.engine.attention.decode_kernel import compile_paged_decode, paged_decode
-from weightq.engine.setup import wants_compile
+from weightq.engine.builder import wants_compile
 
 from tests.reference import assert_greedy_equal, mixed_requests
 

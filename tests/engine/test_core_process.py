@@ -21,9 +21,9 @@ from weightq.engine import (
     SamplingParams,
     TokenEvent,
 )
+from weightq.engine.builder import serving_threads
 from weightq.engine.core_process import own_process
-from weightq.engine.models import ModelNotFound
-from weightq.engine.setup import serving_threads
+from weightq.engine.model import ModelNotFound
 
 CONFIG = EngineConfig(max_batch_weight=4096, compile="off")
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 from weightq.engine import Engine, EngineConfig, GenerationRequest, ModelNotFound, SamplingParams
-from weightq.engine.models import load_model
+from weightq.engine.model import load_model
 
 from tests.reference import assert_greedy_equal, mixed_requests, reference
 
@@ -211,6 +211,14 @@ def test_stop_token_ids_end_generation_keep_the_id_and_drop_its_text(tiny_loaded
         [GenerationRequest("b", prompt="x", params=SamplingParams(stop_token_ids=(len(tiny_loaded.tokenizer),)))]
     )[0]
     assert bad.reason == "error" and bad.error.startswith("stop_token_ids")
+
+
+def test_no_max_new_tokens_runs_to_the_context_limit(tiny_loaded):
+    """OpenAI's chat without max_tokens (tasks/limits.py: DEFAULTS) reaches the engine as None."""
+    engine = Engine(EngineConfig(check_invariants=True, max_total_tokens=48), loaded=tiny_loaded)
+    params = SamplingParams(max_new_tokens=None, ignore_eos=True)
+    done = engine.generate([GenerationRequest("ctx", prompt="The engine admits", params=params)])[0]
+    assert done.reason == "length" and done.prompt_tokens + done.completion_tokens == 48
 
 
 def test_bad_requests_fail_alone_with_errors_naming_the_field(tiny_loaded):

@@ -18,7 +18,7 @@ from transformers import (
 )
 from weightq.batcher import ConfigError
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from weightq.engine.builtin import shape_t5
+from weightq.engine.model.builtin import shape_t5
 
 from tests.reference import assert_matches, reference, requests
 
@@ -27,7 +27,7 @@ def _t5(v: int, ids: dict):
     small = dict(d_model=128, d_ff=256, num_layers=2, num_decoder_layers=2, num_heads=4, d_kv=32)
     config = T5Config(vocab_size=v, initializer_factor=3.0, tie_word_embeddings=False, **small, **ids)
     model = T5ForConditionalGeneration(config)
-    shape_t5(model)  # diverse output, well-conditioned (see engine/builtin.py)
+    shape_t5(model)  # diverse output, well-conditioned (see engine/model/builtin.py)
     return model
 
 
@@ -141,7 +141,7 @@ def reference_ignoring_eos(model, req: GenerationRequest) -> list[int]:
 
 
 def test_budget_is_derived_from_measured_memory(tmp_path, tiny_path):
-    from weightq.engine.builtin import builtin_path
+    from weightq.engine.model import builtin_path
 
     engine = Engine(EngineConfig(model="builtin:tiny-t5", device="cpu", cpu_kv_bytes=32 * 2**20))
     assert engine.lm.runner == "padded" and "B per weight unit" in engine.kv_derivation

@@ -170,3 +170,48 @@ def test_openai_batch_files_give_openai_shaped_lines(service, tmp_path):
     summary, _ = run_batch(src, out, service.client, max_in_flight=32, progress=False,
                            formats=[OpenAIBatchLines("builtin:tiny")])  # fmt: skip
     assert summary["skipped"] == 201 and len(read_output(out)) == 201  # resume by custom_id
+
+
+def _openai_line(custom_id: str, model: str) -> str:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body})
+
+
+def test_without_a_worker_batch_refuses_at_once_naming_the_fix(service, tmp_path):
+    import redis
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_requests(src, 3)
+    env = dict(os.environ, REDIS_URL=service.url)
+    cmd = [sys.executable, "-m", "weightq.cli", "batch", str(src), "-o", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)  # never waits
+    assert done.returncode == 1
+    assert "no live worker serves queue 'weightq'" in done.stderr and "`weightq worker`" in done.stderr
+    assert "weightq batch --local" in done.stderr
+    assert redis.Redis.from_url(service.url).llen("weightq") == 0 and not out.exists()  # nothing was queued
+
+
+def test_batch_takes_the_model_name_the_workers_advertise(service, tmp_path):
+    service.worker(served_model_name="house-model").wait_ready()
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(_openai_line("a", "house-model") + "\n" + _openai_line("b", "builtin:tiny") + "\n")
+    env = {k: v for k, v in os.environ.items() if k != "SERVED_MODEL_NAME"} | {"REDIS_URL": service.url}
+    cmd = [sys.executable, "-m", "weightq.cli", "batch", str(src), "-o", str(out), "--no-progress"]
+    subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=True)
+    status = {r["custom_id"]: r["response"]["status_code"] for r in read_output(out)}
+    assert status == {"a": 200, "b": 400}  # the workers' served name, not this process' MODEL
+
+
+def test_batch_local_brings_its_own_worker(service, tmp_path):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_requests(src, 6, max_new_tokens=4)
+    env = dict(os.environ, REDIS_URL=service.url, WEIGHTQ_HOME=str(tmp_path), MAX_BATCH_WEIGHT="4096",
+               ENGINE_PROCESS="off")  # fmt: skip
+    cmd = [sys.executable, "-m", "weightq.cli", "batch", str(src), "-o", str(out), "--local", "--json"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["completed"] == 6
+    import redis
+    from weightq.tasks.contract import HEARTBEATS
+
+    assert not redis.Redis.from_url(service.url).hgetall(HEARTBEATS)  # its worker stopped with it

@@ -158,22 +158,51 @@ def test_a_client_that_disconnects_cancels_its_job_and_frees_its_blocks(stack):
     stack.stats(lambda s: s["running"] == 0 and s["kv_blocks_used"] == 0)  # the blocks come back
 
 
-def test_metrics_cover_the_workers_engines(stack):
-    stack.oai.completions.create(model="builtin:tiny", prompt="hello", max_tokens=4)
-    stack.stats(lambda s: s.get("finished", 0) > 0)
-    text = httpx.get(stack.base + "/metrics", headers=stack.headers, timeout=30).text
+def test_metrics_each_series_once_and_streams_unbuffered_by_proxies(stack):
+    body = {"model": "builtin:tiny", "prompt": "hello", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", stack.base + "/v1/completions", json=body, headers=stack.headers, timeout=30) as r:
+        assert r.headers["x-accel-buffering"] == "no" and r.headers["cache-control"] == "no-cache"  # nginx: no buffer
+        r.read()
+    stack.stats(lambda s: s.get("metrics", {}).get("job_ttft", {}).get("sum", 0) > 0)
+    get = lambda path: httpx.get(stack.base + path, headers=stack.headers, timeout=30)  # noqa: E731
+    own, cluster = get("/metrics").text, get("/metrics/cluster").text
+    assert 'weightq_http_requests_total{route="/v1/completions",status="200"}' in own
+    assert "worker=" not in own  # each gateway exports only its own: scraping two never counts a worker twice
     for name in (
         'weightq_requests_running{worker="gw@test"}',
         'weightq_batch_weight_budget{worker="gw@test"} 8192.0',
         'weightq_kv_blocks_used{worker="gw@test"}',
         'weightq_decode_tokens_total{worker="gw@test"}',
         'weightq_time_to_first_token_seconds_bucket{le="+Inf",worker="gw@test"}',
+        'weightq_job_time_to_first_token_seconds_count{worker="gw@test"}',
+        'weightq_job_latency_seconds_count{worker="gw@test"}',
+        'weightq_request_latency_seconds_count{worker="gw@test"}',
         'weightq_time_per_output_token_seconds_count{worker="gw@test"}',
         'weightq_requests_finished_total{reason="length",worker="gw@test"}',
-        'weightq_http_requests_total{route="/v1/completions",status="200"}',
+        'weightq_queue_depth{priority="5",queue="weightq"} 0.0',
         "weightq_dead_letters 0.0",
     ):
-        assert name in text, name
+        assert name in cluster, name
+    assert get("/metrics/cluster").status_code == 200 and httpx.get(stack.base + "/metrics").status_code == 401
+
+
+def test_trusted_proxies_name_the_client_for_per_address_limits(stack, redis_url, tmp_path):
+    limited = dict(rate_limit_per_s=0.001, rate_burst=1)  # one request per address, then 429
+
+    def post(gw: GatewayProcess, ip: str) -> int:
+        xff = {"X-Forwarded-For": f"203.0.113.7, {ip}"}  # as a proxy appends the address it saw
+        return httpx.post(gw.base + "/v1/completions", json={"prompt": 42}, headers=xff).status_code
+
+    behind = GatewayProcess(redis_url, tmp_path, trusted_proxies="127.0.0.0/8", **limited).wait_ready()
+    direct = GatewayProcess(redis_url, tmp_path, trusted_proxies="none", **limited).wait_ready()
+    try:
+        assert [post(behind, "198.51.100.1"), post(behind, "198.51.100.2"), post(behind, "198.51.100.1")] == [
+            400, 400, 429,  # two clients behind the proxy, each its own budget
+        ]  # fmt: skip
+        assert [post(direct, "198.51.100.1"), post(direct, "198.51.100.2")] == [400, 429]  # the header is ignored
+    finally:
+        behind.stop()
+        direct.stop()
 
 
 def test_a_client_resumes_its_stream_on_a_restarted_gateway(stack, redis_url, tmp_path):

@@ -59,3 +59,26 @@ def test_a_celery_and_flask_project_submits_and_streams_a_job(service, tmp_path)
     result = done["result"]
     assert done["text"] == result["text"] and result["id"] == "web-app-1"
     assert result["finish_reason"] in ("length", "eos") and 1 <= result["usage"]["completion_tokens"] <= 12
+
+
+def _readme_example(marker: str) -> str:
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    return next(b for b in re.findall(r"^```python\n(.*?)^```", readme, re.M | re.S) if marker in b)
+
+
+def test_the_readmes_client_and_celery_examples_run(service, tmp_path):
+    """The README's Python client example and its Celery-by-name one, as written, against a real worker."""
+    service.worker().wait_ready()
+    client = _readme_example("client = Client()  # REDIS_URL")
+    by_name = _readme_example("app.send_task(").replace("redis://localhost:6379/0", service.url)
+    env = dict(os.environ, REDIS_URL=service.url)
+    out = subprocess.run(
+        [sys.executable, "-c", client + "\nprint('\\n---')\n" + by_name],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    streamed, by_name_text = out.stdout.rsplit("\n---\n", 1)
+    assert streamed and by_name_text.strip()  # both printed generated text

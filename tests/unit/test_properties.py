@@ -140,9 +140,11 @@ def workloads(draw):
         windows=tuple((ring - 1) * block + 1 for _pages, ring in kinds if ring),  # ring_blocks(window) = ring
         jump_window_s=draw(st.sampled_from([0.0, 0.3, 1.0, 1e9])),
         max_wait_s=draw(st.sampled_from([0.5, 2.0, 1e9])),
+        tenant_cap=draw(st.sampled_from([0.0, 0.0, 0.5])),
     )
     reqs, stop_at = [], {}
     seq2seq = draw(st.booleans())
+    tenants = draw(st.sampled_from([[""], [""], ["a", "b"], ["a", "b", "c"]]))  # several: fairness reorders
     t = 0.0
     for i in range(draw(st.integers(1, 25))):
         t += draw(st.sampled_from([0.0, 0.05, 0.3, 1.0]))
@@ -150,18 +152,25 @@ def workloads(draw):
         new = draw(st.integers(1, max_total - inp))
         # Padded: some workloads are encoder-decoder (the whole input is the encoder's fixed part).
         fixed = inp if model == "padded" and seq2seq else 0
-        reqs.append(Request(str(i), inp, new, arrival_s=t, fixed_len=fixed))
+        tenant = draw(st.sampled_from(tenants))
+        reqs.append(Request(str(i), inp, new, arrival_s=t, fixed_len=fixed, tenant=tenant))
         if draw(st.booleans()):
             stop_at[str(i)] = draw(st.integers(1, new))
     return cfg, reqs, stop_at
 
 
 def check_jumps(cfg: BatcherConfig, reqs: list[Request], run) -> None:
-    """Y may be admitted before an earlier X only within the window and before X waited max_wait."""
+    """Y may be admitted before an earlier X of its tenant only within the window and before X waited
+    max_wait (between tenants, fairness orders them: batcher/fairness.py)."""
     arrival = {r.id: r.arrival_s for r in reqs}
-    admitted_at = {rid: (step, now) for step, now, rid in run.admitted}
+    tenant = {r.id: r.tenant for r in reqs}
+    admitted_at: dict[str, tuple[int, float]] = {}
+    for step, now, rid in run.admitted:  # first admissions (a preempted request is admitted again)
+        admitted_at.setdefault(rid, (step, now))
     for y, (y_step, y_now) in admitted_at.items():
         for x, (x_step, _) in admitted_at.items():
+            if tenant[x] != tenant[y]:
+                continue
             if arrival[x] < arrival[y] and x_step > y_step and arrival[x] <= y_now:
                 assert cfg.jump_window_s > 0, f"{y} jumped {x} with jumping off"
                 assert arrival[y] - arrival[x] <= cfg.jump_window_s
@@ -179,14 +188,14 @@ def test_weight_never_exceeds_budget_and_everyone_finishes(work):
     run = drive(b, reqs, stop_at, max_steps=bound + 200)  # asserts weight <= budget after every step
     assert len(run.finished) == len(reqs)
     check_jumps(b.config, reqs, run)
-    assert not b.running and not b.waiting and b._committed == 0
+    assert not b.running and not b.waiting and b.projector.committed == 0
 
 
 @SETTINGS
 @given(workloads())
 def test_fifo_when_jumping_is_off(work):
     cfg, reqs, stop_at = work
-    b = Batcher(replace(cfg, jump_window_s=0.0))
+    b = Batcher(replace(cfg, jump_window_s=0.0, fairness=False, tenant_cap=0.0))
     run = drive(b, reqs, stop_at)
     order = [rid for _, _, rid in run.admitted]
     assert order == [r.id for r in sorted(reqs, key=lambda r: (r.arrival_s, int(r.id)))]
@@ -202,7 +211,7 @@ def test_predictive_mode_never_exceeds_budget(work, margin):
     stops = {f"a{k}": v for k, v in stop_at.items()}
     run = drive(b, first + reqs, stops | {r.id: r.max_new_tokens for r in reqs})
     assert len(run.finished) == 2 * len(reqs)
-    assert not b.running and b._committed == 0
+    assert not b.running and b.projector.committed == 0
 
 
 @SETTINGS
@@ -242,8 +251,8 @@ def test_profile_updated_in_place_matches_a_fresh_build(ops, cand, model, block,
 def assert_profile_follows(b: Batcher) -> None:
     """The profile, updated in place since the batcher started, equals one built from scratch and the
     brute-force load of the running set at every finish point."""
-    profile = b._get_profile()
-    assert set(b._entries) == set(b.running)
+    profile = b.projector.profile()
+    assert set(b.projector.entries) == set(b.running)
     for req in b.running.values():
         if req.decoding:  # a decoding request's entry stays what a rebuild would compute now
             expected = Entry(
@@ -253,8 +262,8 @@ def assert_profile_follows(b: Batcher) -> None:
                 True,
                 req.fixed_len,
             )
-            assert b._entries[req.id] == expected
-    entries = list(b._entries.values())
+            assert b.projector.entries[req.id] == expected
+    entries = list(b.projector.entries.values())
     fresh = b.weight.profile(entries)
     model, block, kinds = b.weight.name, b.weight.block_size, b.config.kinds
     for t in {b.step, *(e.finish for e in entries)}:
@@ -272,7 +281,7 @@ def assert_profile_follows(b: Batcher) -> None:
 def test_profile_follows_admissions_finishes_cancels_and_preemptions(work, mode, rebuild_after, rnd):
     cfg, reqs, stop_at = work
     b = Batcher(replace(cfg, mode=mode, predictive_min_samples=2))
-    b.REBUILD_AFTER = rebuild_after  # 0: every change rebuilds; 32: changes are applied in place
+    b.projector.REBUILD_AFTER = rebuild_after  # 0: every change rebuilds; 32: changes are applied in place
     # As in the predictive test: the first copies teach short lengths, the second run long (regrow, preempt).
     first = [Request(f"a{r.id}", r.input_len, r.max_new_tokens, r.arrival_s, fixed_len=r.fixed_len) for r in reqs]
     stops = {f"a{k}": v for k, v in stop_at.items()} | {r.id: r.max_new_tokens for r in reqs}

@@ -15,6 +15,7 @@ from weightq.batcher import TOP_PRIORITY
 from weightq.tasks.limits import (
     DEFAULT_PRIORITY,
     DEFAULTS,
+    LOCAL_TENANT,
     MAX_LOGPROBS,
     MAX_PRIORITY,
     MIN_PRIORITY,
@@ -94,6 +95,15 @@ def test_each_door_has_its_defaults_and_an_explicit_value_wins():
     assert parse_request({"prompt": "x", "temperature": None}, Door.CHAT).temperature == 1.0  # null: unset
 
 
+def test_chat_runs_to_the_context_limit_and_null_asks_for_it_at_any_door():
+    chat = parse_request({"messages": [{"role": "user", "content": "x"}]}, Door.CHAT, max_total_tokens=64)
+    assert chat.max_new_tokens is None and DEFAULTS[Door.CHAT].max_new_tokens is None  # as OpenAI's chat API
+    assert parse_request(chat.to_json()).max_new_tokens is None  # the wire keeps it (the worker parses as a job)
+    assert parse_request({"prompt": "x", "max_new_tokens": None}, Door.COMPLETIONS).max_new_tokens is None
+    assert parse_request({"prompt": "x"}).max_new_tokens == 64  # absent: the door's default
+    assert parse_request({"prompt": "x", "max_new_tokens": None, "min_tokens": 500}).min_tokens == 500
+
+
 def test_one_priority_scale():
     assert (MIN_PRIORITY, DEFAULT_PRIORITY, MAX_PRIORITY) == (0, 5, 9)
     assert (BATCHER_DEFAULT, TOP_PRIORITY) == (DEFAULT_PRIORITY, MAX_PRIORITY)  # the batcher's mirror
@@ -107,6 +117,22 @@ def test_room_for_a_prompt_within_the_serving_limit():
         parse_request({"prompt": "x", "max_new_tokens": 64}, max_total_tokens=64)
     with pytest.raises(RequestError, match=r"^max_new_tokens"):  # the door's default counts too
         parse_request({"prompt": "x"}, Door.TGI, max_total_tokens=64)
+
+
+def test_the_tenant_the_gateway_sets_is_the_one_the_batcher_shares_by():
+    from weightq.worker.to_engine import engine_request
+
+    job = parse_request({"prompt": "x", "tenant": "key-abc"})
+    assert parse_request(job.to_json()).tenant == "key-abc"  # the worker reads whose job it is
+    req = engine_request("j", job)
+    assert (req.tenant, req.cache_salt) == ("key-abc", "key-abc")  # fair share, and its own prefix cache
+    shared = engine_request("j", job, shared_prefix_cache=True)
+    assert (shared.tenant, shared.cache_salt) == ("key-abc", "")
+    assert engine_request("j", parse_request({"prompt": "x"})).tenant == LOCAL_TENANT
+    for bad in ("", "a b", "x" * 129, 7):
+        with pytest.raises(RequestError) as e:
+            parse_request({"prompt": "x", "tenant": bad})
+        assert e.value.field == "tenant"
 
 
 finite = st.floats(allow_nan=False, allow_infinity=False)
@@ -140,6 +166,7 @@ options = st.fixed_dictionaries(
         "prompt_logprobs": st.integers(0, MAX_LOGPROBS),
         "priority": st.integers(MIN_PRIORITY, MAX_PRIORITY),
         "request_id": st.from_regex(r"[A-Za-z0-9._:-]{1,20}", fullmatch=True),
+        "tenant": st.from_regex(r"[A-Za-z0-9._:-]{1,20}", fullmatch=True),
         "guided": st.sampled_from([{"json_object": True}, {"regex": "[a-z]+"}, {"json_schema": {"type": "array"}}]),
     },
 )

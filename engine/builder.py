@@ -17,11 +17,12 @@ from .attention import register
 from .attention.flash import available as flash_available
 from .attention.probe import check_backend, probe
 from .config import EngineConfig
-from .kv_cache import KVCache, KVGeometry, KVLayout, derive_capacity
-from .models import LoadedModel, choose_runner, load_model, resolve_device
-from .padded import PaddedRunner, measure_padded
-from .runner import ModelRunner, Runner
-from .simulated import SIMULATED_GEOMETRY, SimulatedRunner
+from .model import LoadedModel, choose_runner, load_model, resolve_device
+from .runner.base import Runner
+from .runner.kv_cache import KVCache, KVGeometry, KVLayout, derive_capacity
+from .runner.padded import PaddedRunner, measure_padded
+from .runner.paged import ModelRunner
+from .runner.simulated import SIMULATED_GEOMETRY, SimulatedRunner
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -195,7 +196,7 @@ def wants_compile(setting: str, device: torch.device, backend: str) -> bool:
 
 
 def _build_simulated(cfg: EngineConfig, lm: LoadedModel, max_total: int, max_input: int) -> EngineParts:
-    """The simulated device (engine/simulated.py): the paged runner's batcher and block allocator, the
+    """The simulated device (engine/runner/simulated.py): the paged runner's batcher and block allocator, the
     model only for its tokenizer, vocabulary and limits. Its KV capacity, unless set, is what the
     model's real KV would fit in cpu_kv_bytes."""
     block = cfg.block_size or 16

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .base import Work
 from .padded_state import Columns, WindowLayer
-from .runner import Work
 from .seq2seq import cross_projections, patch_decoder_positions
 
 

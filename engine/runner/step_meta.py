@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .attention.meta import DecodeGroup, KindMeta, PrefillChunk
+from ..attention.meta import DecodeGroup, KindMeta, PrefillChunk
 from .kv_cache import AttentionKind
 
 if TYPE_CHECKING:
-    from .runner import Work
+    from .base import Work
 
 
 class MetaBuilder:

@@ -19,8 +19,8 @@ import time
 import torch
 from weightq.batcher.sim.cost import StepCost
 
+from .base import PagedMemory, Work
 from .kv_cache import KVCache, KVGeometry
-from .runner import PagedMemory, Work
 
 # One float per token: the allocator is the paged runner's, the memory behind it is negligible.
 SIMULATED_GEOMETRY = KVGeometry(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)

@@ -2,7 +2,7 @@
 
 Decoder-only models whose attention goes through transformers' attention interface run on the
 paged runner; encoder-decoder models (T5, BART, ...) and models without that interface run on the
-padded runner (engine/padded.py)."""
+padded runner (engine/runner/padded.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
+from ..runner.kv_cache import KVGeometry
 from .builtin import BUILTIN_PREFIX, builtin_path
-from .kv_cache import KVGeometry
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def choose_runner(config, requested: str = "auto") -> str:
     the paged runner that the model cannot honour raises ValueError naming the reason."""
     if requested not in ("auto", "paged", "padded"):
         raise ValueError(f"runner: must be auto, paged or padded (got {requested!r})")
-    from .attention.probe import check_state_space
+    from ..attention.probe import check_state_space
 
     check_state_space(config)
     why = None

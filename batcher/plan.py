@@ -1,0 +1,43 @@
+"""What one step runs (StepPlan) and the batcher's counters (BatcherStats)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .request import Request
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What the engine runs this step; chunks and decodes are in admission order."""
+
+    step: int
+    prefill: list[tuple[Request, int]] = field(default_factory=list)
+    decode: list[Request] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(n for _, n in self.prefill)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prefill_tokens + len(self.decode)
+
+    def __bool__(self) -> bool:
+        return bool(self.prefill or self.decode)
+
+
+@dataclass(slots=True)
+class BatcherStats:
+    admitted: int = 0
+    admitted_fast: int = 0
+    admitted_projected: int = 0
+    rejected_projected: int = 0
+    preemptions: int = 0
+    preempted_tokens: int = 0
+    idle_passes: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0  # context tokens of every admission (readmissions too)
+    cached_tokens: int = 0  # of those, found in the prefix cache instead of computed
