@@ -58,7 +58,7 @@ class Settings(BaseSettings):
     sim_step_cost: str = ""  # RUNNER=simulated (a measuring tool): "fixed_s,per_token_s,per_kv_token_s"
     # The engine's intra-op threads; 0: cores - 1 on the CPU (builder.py: serving_threads), 1 on CUDA or simulated
     torch_threads: int = 0
-    # The engine in a process of its own (engine/core_process.py): auto (on for CUDA, simulated, and a CPU
+    # The engine in a process of its own (engine/process/): auto (on for CUDA, simulated, and a CPU
     # engine whose threads leave a core free), on, off
     engine_process: Literal["auto", "on", "off"] = "auto"
     concurrency: int = 128  # task threads per worker: the most requests one worker holds at once

@@ -14,12 +14,13 @@ except ModuleNotFoundError as e:
 
 from .builder import serving_threads
 from .config import EngineConfig
-from .core_process import AnyEngine, EngineDied, EngineProcess, own_process
 from .handle import Handle
 from .heap import freeze_startup_heap
 from .loop import Engine
 from .model import LoadedModel, ModelNotFound, load_model
 from .params import Event, FinishEvent, GenerationRequest, InvalidRequest, SamplingParams, TokenEvent
+from .process import AnyEngine, EngineDied, EngineProcess, own_process
+from .sink import Sink, TokenSink
 
 __all__ = [
     "AnyEngine",
@@ -35,7 +36,9 @@ __all__ = [
     "LoadedModel",
     "ModelNotFound",
     "SamplingParams",
+    "Sink",
     "TokenEvent",
+    "TokenSink",
     "freeze_startup_heap",
     "load_model",
     "own_process",

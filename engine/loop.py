@@ -35,6 +35,7 @@ from .prompt import prompt_ids, render_chat
 from .runner.base import Work
 from .sampling import sample
 from .sequence import Sequence
+from .sink import Sink, as_sink
 from .stats import EngineStats
 from .warmup import warm_up
 
@@ -45,7 +46,7 @@ class Engine(StepOutputs, EngineStats):
     def __init__(
         self,
         config: EngineConfig | None = None,
-        sink: Callable[[Event], None] | None = None,
+        sink: Sink | Callable[[Event], None] | None = None,
         *,
         loaded: LoadedModel | None = None,
     ) -> None:
@@ -66,7 +67,7 @@ class Engine(StepOutputs, EngineStats):
         self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="weightq-grammar")
         self._pending: set[str] = set()  # submitted, not yet in the inbox (being prepared)
         self._cancelled_pending: set[str] = set()  # ... and cancelled, or finished by stop()
-        self.sink = sink
+        self.sink = as_sink(sink)
         self.seqs: dict[str, Sequence] = {}
         self._handles: dict[str, Handle] = {}
         self._inbox: deque[Sequence | FinishEvent] = deque()
@@ -154,9 +155,7 @@ class Engine(StepOutputs, EngineStats):
             self._cancelled_pending.update(pending)
         for rid in pending:
             self._emit(FinishEvent(rid, reason, "", (), 0, 0, 0.0, 0.0, 0.0, message))
-        flush = getattr(self.sink, "flush", None)
-        if flush is not None:
-            flush()
+        self._flush_sink()
 
     def generate(self, requests: list[GenerationRequest]) -> list[FinishEvent]:
         """Run requests to completion on the calling thread (offline use; the loop must not run)."""
@@ -208,7 +207,7 @@ class Engine(StepOutputs, EngineStats):
 
     def step(self) -> bool:
         """One scheduling decision and one forward pass; False when there was nothing to run.
-        A sink with a `flush()` method is flushed after every step (one write batch per step), and
+        The sink is flushed after every step (one write batch per step), and
         on an asynchronous device also once the previous step's events are out, mid-step."""
         try:
             return self._step()
@@ -217,9 +216,8 @@ class Engine(StepOutputs, EngineStats):
             self._flush_sink()
 
     def _flush_sink(self) -> None:
-        flush = getattr(self.sink, "flush", None)
-        if flush is not None:
-            flush()
+        if self.sink is not None:
+            self.sink.flush()
 
     def _step(self) -> bool:
         t_start = time.perf_counter()

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .base import Work
-from .padded_state import Columns, WindowLayer
+from .padded_batch import PaddedBatch
 from .seq2seq import cross_projections, patch_decoder_positions
 
 
@@ -44,13 +44,7 @@ class PaddedRunner:
             raise ValueError("an encoder-decoder model needs decoder_start_token_id in its config")
         self.positions = patch_decoder_positions(model) if self.seq2seq else None
         self.cross = cross_projections(model) if self.seq2seq else None
-        self.ids: list[str] = []  # row i of every tensor belongs to ids[i]
-        self.pos: list[int] = []  # position of each row's next decoder token
-        self.dec: Columns | None = None  # decoder mask, then K and V of every self-attention layer
-        self.enc: Columns | None = None  # encoder mask, encoder states, then K and V of every cross layer
-        self.cache = None  # the transformers Cache over the windows
-        self._layers: list[WindowLayer] = []
-        self._drop: set[str] = set()
+        self.batch = PaddedBatch()
         self.model_s = 0.0
         self.budget = 0  # set by the builder once the batch weight is known (for stats)
 
@@ -59,79 +53,36 @@ class PaddedRunner:
         """Nothing to reserve: rows join the preallocated batch (the batcher bounds its weight)."""
 
     def release(self, seq) -> None:
-        """Drop the sequence's row before the next forward (all rows at once when none stays)."""
-        if seq.id not in self.ids:
-            return
-        self._drop.add(seq.id)
-        if len(self._drop) == len(self.ids):
-            self._reset()
-
-    def _reset(self) -> None:
-        self.ids, self.pos, self._drop = [], [], set()
-        self.dec = self.enc = self.cache = None
-        self._layers = []
+        self.batch.release(seq.id)
 
     @property
     def rows(self) -> list[str] | None:
-        return [r for r in self.ids if r not in self._drop] or None
+        return self.batch.rows
 
     @property
     def num_rows(self) -> int:
-        return len(self.ids) - len(self._drop)
+        return self.batch.num_rows
 
     def weight(self) -> int:
         """Padded weight held now: rows x (encoder length + decoder length), after pending drops."""
-        self._compact()
-        return self._held(len(self.ids))
-
-    def _held(self, rows: int) -> int:
-        if self.dec is None:
-            return 0
-        return rows * (self.dec.width + (self.enc.width if self.enc is not None else 0))
+        self.batch.compact()
+        return self.batch.held(len(self.batch.ids))
 
     def memory(self) -> dict:
         """Stats in the paged runner's terms: a "block" is one padded weight unit (one token)."""
-        held = self._held(self.num_rows) if self.dec is not None else 0
-        return {"kv_blocks_used": held, "kv_blocks_total": self.budget, "block_size": 1}
+        return {"kv_blocks_used": self.batch.held(self.batch.num_rows), "kv_blocks_total": self.budget, "block_size": 1}
 
     def check(self, seqs: list, budget: int) -> None:
         """Invariants after a step (tests): the rows are the live prefilled sequences, and the padded
         weight the tensors really hold is within the budget."""
         live = {s.id for s in seqs if s.sched.prefilled}
-        rows = set(self.ids) - self._drop
+        rows = self.batch.live
         assert rows == live, f"padded rows {sorted(rows)} != live sequences {sorted(live)}"
         held = self.weight()
         assert held <= budget, f"padded weight {held} > budget {budget}"
 
     def state_bytes(self, allocated: bool = False) -> int:
-        """Bytes of the batch's tensors (caches, masks, encoder states): the live windows, or
-        everything allocated (with the slack that lets rows join without copying the batch)."""
-        groups = [c for c in (self.dec, self.enc) if c is not None]
-        return sum(c.nbytes() if allocated else c.live_bytes() for c in groups)
-
-    @torch.inference_mode()
-    def _compact(self) -> None:
-        """Remove dropped rows (the last rows move into their places) and trim padding nobody needs."""
-        if not self._drop or self.dec is None:
-            return
-        drop = [i for i, rid in enumerate(self.ids) if rid in self._drop]
-        self._drop = set()
-        for group in (self.dec, self.enc):
-            if group is not None:
-                group.remove_rows(drop)
-        for i in sorted(drop, reverse=True):
-            self.ids[i], self.pos[i] = self.ids[-1], self.pos[-1]
-            self.ids.pop()
-            self.pos.pop()
-        dec_mask = self.dec.view(0)
-        self.dec.shrink_to(int(dec_mask.sum(1).max()))  # real tokens are right-aligned
-        if self.enc is not None:
-            self.enc.shrink_to(int(self.enc.view(0).sum(1).max()))  # ... and left-aligned here
-        self._refresh()
-
-    def _refresh(self) -> None:
-        for layer in self._layers:
-            layer.refresh()
+        return self.batch.state_bytes(allocated)
 
     # ----- the step -------------------------------------------------------------------------------
     can_isolate = False  # every running row is in every step: a failed step fails them all
@@ -141,12 +92,12 @@ class PaddedRunner:
         try:
             return self._forward(prefill, decode)
         except BaseException:
-            self._reset()  # the batch may be half-updated: its requests fail, and nothing stale stays
+            self.batch.reset()  # the batch may be half-updated: its requests fail, and nothing stale stays
             raise
 
     @torch.inference_mode()
     def _forward(self, prefill: list[Work], decode: list[Work]) -> torch.Tensor:
-        self._compact()
+        self.batch.compact()
         t0 = time.perf_counter()
         parts: list[torch.Tensor] = []
         new = None
@@ -158,10 +109,10 @@ class PaddedRunner:
             parts.append(logits)
         if decode:
             parts.append(self._decode(decode))
-        elif self.ids:
+        elif self.batch.ids:
             raise RuntimeError("padded runner: running rows left out of a step")
         if new is not None:
-            self._merge(*new)
+            self.batch.merge(*new)
         out = torch.cat(parts) if len(parts) > 1 else parts[0]
         out = out.float()
         if out.is_cuda:
@@ -172,36 +123,37 @@ class PaddedRunner:
     def _decode(self, decode: list[Work]) -> torch.Tensor:
         """One token for every row: its last token, or the decoder start token for a row that
         joined this step (its decoder is still empty)."""
-        if not self.ids:
+        batch = self.batch
+        if not batch.ids:
             raise RuntimeError("padded runner: decode without a running batch")
-        where = {rid: i for i, rid in enumerate(self.ids)}
-        if len(decode) != len(self.ids) or any(w.seq.id not in where for w in decode):
+        where = {rid: i for i, rid in enumerate(batch.ids)}
+        if len(decode) != len(batch.ids) or any(w.seq.id not in where for w in decode):
             raise RuntimeError("padded runner: the decode set differs from the running rows")
-        tokens = [0] * len(self.ids)
+        tokens = [0] * len(batch.ids)
         for w in decode:
             i = where[w.seq.id]
-            tokens[i] = w.seq.token_ids[w.start] if self.pos[i] else self.start_id
-        n = len(self.ids)
+            tokens[i] = w.seq.token_ids[w.start] if batch.pos[i] else self.start_id
+        n = len(batch.ids)
         ids = torch.tensor(tokens, device=self.device)[:, None]
-        pos = torch.tensor(self.pos, device=self.device)
-        dec = self.dec
+        pos = torch.tensor(batch.pos, device=self.device)
+        dec = batch.dec
         if dec.reserve_columns(1):
-            self._refresh()
+            batch.refresh()
         mask = dec.append_column(0, torch.ones(n, 1, dtype=torch.long, device=self.device))
         try:
             if self.seq2seq:
-                enc = self.enc
-                out = self._run_decoder(ids, mask, pos, self.cache, enc.view(1), enc.view(0))
+                enc = batch.enc
+                out = self._run_decoder(ids, mask, pos, batch.cache, enc.view(1), enc.view(0))
             else:
                 out = self.model(
-                    input_ids=ids, attention_mask=mask, position_ids=pos[:, None], cache=self.cache, use_cache=True
+                    input_ids=ids, attention_mask=mask, position_ids=pos[:, None], cache=batch.cache, use_cache=True
                 )
         except BaseException:
-            self._refresh()  # the layers' windows went one column ahead: back to the batch's
+            batch.refresh()  # the layers' windows went one column ahead: back to the batch's
             raise
         dec.advance(1)
-        self._refresh()
-        self.pos = [p + 1 for p in self.pos]
+        batch.refresh()
+        batch.pos = [p + 1 for p in batch.pos]
         logits = out.logits[:, -1]
         order = torch.tensor([where[w.seq.id] for w in decode], device=self.device)
         return logits.index_select(0, order)
@@ -224,7 +176,7 @@ class PaddedRunner:
         kv = [t for project in self.cross for t in project(states)]
         empty = kv[0].new_zeros(len(prefill), kv[0].shape[1], 0, kv[0].shape[3])
         dec = [enc_mask.new_zeros(len(prefill), 0)] + [empty] * (2 * len(self.cross))
-        self._merge(prefill, [[] for _ in prefill], dec, [enc_mask, states, *kv])
+        self.batch.merge([w.seq.id for w in prefill], [[] for _ in prefill], dec, [enc_mask, states, *kv])
 
     def _prefill(self, prefill: list[Work]):
         for w in prefill:
@@ -242,7 +194,7 @@ class PaddedRunner:
             input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1
         )
         dec = [mask] + [t for layer in cache.layers for t in (layer.keys, layer.values)]
-        return out.logits[:, -1], (prefill, feeds, dec, None)
+        return out.logits[:, -1], ([w.seq.id for w in prefill], feeds, dec, None)
 
     def _prefill_seq2seq(self, prefill: list[Work]):
         from transformers import DynamicCache, EncoderDecoderCache
@@ -257,7 +209,7 @@ class PaddedRunner:
         sa, ca = cache.self_attention_cache.layers, cache.cross_attention_cache.layers
         dec = [dec_mask] + [t for layer in sa for t in (layer.keys, layer.values)]
         enc = [enc_mask, states] + [t for layer in ca for t in (layer.keys, layer.values)]
-        return out.logits[:, -1], (prefill, feeds, dec, enc)
+        return out.logits[:, -1], ([w.seq.id for w in prefill], feeds, dec, enc)
 
     def _run_decoder(self, ids, mask, starts, cache, states, enc_mask):
         from transformers.modeling_outputs import BaseModelOutput
@@ -285,33 +237,6 @@ class PaddedRunner:
             ids[i, n - len(f) :] = torch.tensor(f)
             mask[i, n - len(f) :] = 1
         return ids.to(self.device), mask.to(self.device)
-
-    def _merge(self, prefill: list[Work], feeds: list[list[int]], dec: list, enc: list | None) -> None:
-        """Copy freshly prefilled rows into the batch's buffers (only their rows are copied)."""
-        from transformers import DynamicCache, EncoderDecoderCache
-
-        if self.dec is None:
-            self.dec = Columns([1] + [2] * (len(dec) - 1), right_aligned=True)
-            self.dec.add_rows(dec)
-            self._layers = [WindowLayer(self.dec, i) for i in range(1, len(dec), 2)]
-            self_cache = DynamicCache()
-            self_cache.layers, self_cache.layer_class_to_replicate = list(self._layers), None
-            self.cache = self_cache
-            if enc is not None:
-                self.enc = Columns([1, 1] + [2] * (len(enc) - 2), right_aligned=False)
-                self.enc.add_rows(enc)
-                cross = [WindowLayer(self.enc, i) for i in range(2, len(enc), 2)]
-                self._layers += cross
-                cross_cache = DynamicCache()
-                cross_cache.layers, cross_cache.layer_class_to_replicate = cross, None
-                self.cache = EncoderDecoderCache(self_cache, cross_cache)
-        else:
-            self.dec.add_rows(dec)
-            if self.enc is not None:
-                self.enc.add_rows(enc)
-        self.ids += [w.seq.id for w in prefill]
-        self.pos += [len(f) for f in feeds]
-        self._refresh()
 
 
 @dataclass(slots=True, eq=False)

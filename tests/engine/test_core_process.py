@@ -1,4 +1,4 @@
-"""The engine in a spawned process of its own (engine/core_process.py): the same outputs and events as in
+"""The engine in a spawned process of its own (engine/process/): the same outputs and events as in
 process, and the parent and child outliving neither a stop nor each other's death."""
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from weightq.engine import (
     TokenEvent,
 )
 from weightq.engine.builder import serving_threads
-from weightq.engine.core_process import own_process
 from weightq.engine.model import ModelNotFound
+from weightq.engine.process import own_process
 
 CONFIG = EngineConfig(max_batch_weight=4096, compile="off")
 
