@@ -65,7 +65,9 @@ def celery_config(s: Settings, url: str | None = None) -> dict:
         # Redis crash (see app/transport.py); rediss:// and unix sockets keep kombu's own.
         **({"broker_transport": own} if (own := _OWN_TRANSPORTS.get(url.split("://")[0])) else {}),
         "result_expires": s.result_ttl_s,
-        "result_extended": True,
+        # The request is kept once, in the job hash (for recovery): an extended result stored it again,
+        # with every token id, for RESULT_TTL_S.
+        "result_extended": False,
         "task_track_started": False,  # Flower sees "started" through events; skip the extra backend write
         "task_send_sent_event": s.task_events,
         "worker_send_task_events": s.task_events,

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, DotEnvSettingsSource, EnvSettingsSource, SettingsConfigDict
+from weightq.tasks.limits import OPEN_MAX_PRIORITY
 
 ENV_FILE = ".env"
 
@@ -47,6 +48,13 @@ class Settings(BaseSettings):
     compile: Literal["auto", "on", "off"] = "auto"  # torch.compile the paged runner (auto: on for CPU)
     priority_headroom: float = 0.1  # share of the KV budget background classes (priority < 5) may not take
     prefix_cache: bool = True  # paged runner: reuse the KV of repeated prompt prefixes (PREFIX_CACHE=0: off)
+    # The prefix cache is per tenant (an API key's jobs only find their own prompts' blocks, and
+    # cached_tokens says nothing of others'); on: all tenants share it (one trusted organisation).
+    prefix_cache_shared: bool = False
+    # Structured output: a grammar that takes longer to compile (or more memory) is refused. Trial
+    # compiles run in a helper process that is killed past the deadline (engine/grammar_trial.py).
+    grammar_compile_timeout_s: float = 10.0
+    grammar_compile_memory_mb: int = 2048
     sim_step_cost: str = ""  # RUNNER=simulated (a measuring tool): "fixed_s,per_token_s,per_kv_token_s"
     # The engine's intra-op threads; 0: cores - 1 on the CPU (builder.py: serving_threads), 1 on CUDA or simulated
     torch_threads: int = 0
@@ -93,11 +101,20 @@ class Settings(BaseSettings):
     key_priorities: str = (
         ""  # "key:class,...": a key's jobs run at that priority class, the most its X-Priority may ask
     )
-    max_concurrent_per_client: int = 0  # generation requests in progress per key (or address); 0: no limit
-    rate_limit_per_s: float = 0.0  # generation requests per second per key (or address); 0: no limit
+    # Generations in progress per key (or address; a request of n choices counts n); 0: no limit;
+    # auto: 32 per key when API_KEY is set, none without keys (one local user).
+    max_concurrent_per_client: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"
+    # Generation requests per second per key (or address); 0: no limit; auto: 10 when API_KEY is set.
+    rate_limit_per_s: Annotated[float, Field(ge=0)] | Literal["auto"] = "auto"
     rate_burst: int = 0  # the rate limit's bucket (0: max(1, RATE_LIMIT_PER_S))
+    # The highest X-Priority class a caller may ask for unless KEY_PRIORITIES grants its key more.
+    open_max_priority: Annotated[int, Field(ge=0, le=9)] = OPEN_MAX_PRIORITY
+    # Without API_KEY, requests must name this gateway in their Host header (a DNS-rebinding page
+    # names its own): localhost, a loopback address, the bind address, or one of these ("*": any).
+    allowed_hosts: str = ""
     served_model_name: str = ""  # the model name clients send and see (default: MODEL)
     max_body_bytes: int = 4 * 2**20  # larger request bodies get 413
+    body_timeout_s: float = 10.0  # a request body not received within this gets 408 (a trickled body)
     request_timeout_s: float = 600.0  # a job with no stream entry for this long is cancelled (504)
     # Proxies whose X-Forwarded-For names the client (per-address limits, logs): addresses or networks,
     # comma-separated, "*" (any), or "none"

@@ -60,33 +60,66 @@ def push_many(detoks: list[IncrementalDetokenizer], tokens: list[int]) -> list[s
 
 
 class StopMatcher:
-    """Finds stop sequences in streamed text; `feed` returns (text safe to emit, stopped)."""
+    """Finds stop sequences in streamed text; `feed` returns (text safe to emit, stopped).
+
+    One KMP matcher per stop sequence, advanced a character at a time: a stop's state is the length
+    of the longest suffix of the text that begins it, so the text to hold back is the longest state,
+    and a character costs only the stops it continues or begins. Memory is one failure table per
+    stop (32 stops of 256 characters: 8,192 small integers), where every prefix of every stop, kept
+    as a string, was a megabyte a request."""
 
     def __init__(self, stops: tuple[str, ...]) -> None:
         self.stops = stops
-        self._longest = max((len(s) for s in stops), default=0)
-        self._prefixes = {s[:k] for s in stops for k in range(1, len(s))}
+        self._fail = [_failure(s) for s in stops]
+        self._starting: dict[str, list[int]] = {}  # first character -> the stops it begins
+        for i, stop in enumerate(stops):
+            self._starting.setdefault(stop[0], []).append(i)
+        self._state: dict[int, int] = {}  # stop index -> characters of it matched (only > 0)
         self.pending = ""
 
     def feed(self, delta: str) -> tuple[str, bool]:
         if not self.stops:
             return delta, False
         text = self.pending + delta
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.pending = ""
+        state, stops, fail = self._state, self.stops, self._fail
+        cut = len(text)  # the earliest start of a stop found in this text (as text.find would give)
+        for end, c in enumerate(delta, len(self.pending) + 1):  # `end`: the text's length through c
+            starting = self._starting.get(c)
+            if not state and starting is None:
+                continue  # most characters: no stop under way, none begins here
+            for i in [*state, *(j for j in starting or () if j not in state)]:
+                stop, k = stops[i], state.get(i, 0)
+                while k and stop[k] != c:
+                    k = fail[i][k - 1]
+                k += stop[k] == c
+                if k == len(stop):
+                    cut = min(cut, end - k)
+                    k = fail[i][k - 1]
+                if k:
+                    state[i] = k
+                else:
+                    state.pop(i, None)
+        if cut < len(text):
+            self.pending, self._state = "", {}
             return text[:cut], True
-        hold = 0
-        for k in range(min(len(text), self._longest - 1), 0, -1):
-            if text[-k:] in self._prefixes:
-                hold = k
-                break
+        hold = max(state.values(), default=0)
         self.pending = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold], False
 
     def flush(self) -> str:
-        out, self.pending = self.pending, ""
+        out, self.pending, self._state = self.pending, "", {}
         return out
+
+
+def _failure(stop: str) -> list[int]:
+    """KMP's table: entry k is the length of the longest proper border of stop[: k + 1]."""
+    table, k = [0] * len(stop), 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = table[k - 1]
+        k += stop[i] == stop[k]
+        table[i] = k
+    return table
 
 
 class TokenTexts:

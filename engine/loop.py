@@ -12,6 +12,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from weightq.batcher import Request, RequestRejected, chain_keys
@@ -57,7 +58,15 @@ class Engine(StepOutputs, EngineStats):
         self.token_texts = TokenTexts(self.tokenizer)
         head = self.lm.model.get_output_embeddings()
         self.logits_width = int(head.weight.shape[0]) if head is not None else len(self.tokenizer)
-        self.grammars = Grammars(self.tokenizer, self.logits_width, self.token_texts)
+        self.grammars = Grammars(
+            self.tokenizer, self.logits_width, self.token_texts,
+            timeout_s=cfg.grammar_timeout_s, memory_mb=cfg.grammar_memory_mb,
+        )  # fmt: skip
+        # One thread compiles grammars not compiled before, so a slow compile never holds up a submit
+        # or a cancel (the engine process's command thread, a task thread) or the loop.
+        self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="weightq-grammar")
+        self._pending: set[str] = set()  # submitted, not yet in the inbox (being prepared)
+        self._cancelled_pending: set[str] = set()  # ... and cancelled, or finished by stop()
         self.sink = as_sink(sink)
         self.seqs: dict[str, Sequence] = {}
         self._handles: dict[str, Handle] = {}
@@ -75,28 +84,50 @@ class Engine(StepOutputs, EngineStats):
 
     # ----- caller side (any thread) ---------------------------------------------------------------
     def submit(self, request: GenerationRequest, *, stream: bool = False) -> Handle:
-        """Queue a request. Problems with it never raise here: they finish its handle with an error."""
+        """Queue a request. Problems with it never raise here: they finish its handle with an error.
+        A grammar not compiled before is compiled on the grammar thread: this returns at once."""
         handle = Handle(request.id, stream)
         now = time.monotonic()
+        guided = request.params.guided
+        with self._cv:
+            if request.id in self._handles:
+                handle._put(
+                    self._error_event(request.id, f"id: request id {request.id!r} is already in flight", 0, now)
+                )
+                return handle
+            self._handles[request.id] = handle
+            self._pending.add(request.id)
+        if guided is not None and not self.grammars.ready(guided):
+            self._grammar_thread.submit(self._enqueue, request, now)
+        else:
+            self._enqueue(request, now)
+        return handle
+
+    def _enqueue(self, request: GenerationRequest, now: float) -> None:
         try:
             item: Sequence | FinishEvent = self._prepare(request, now)
         except (InvalidRequest, RequestRejected) as e:
             item = self._error_event(request.id, str(e), 0, now)
+        except Exception as e:  # a bug preparing it (on the grammar thread: nobody else would hear of it)
+            log.exception("preparing request %s failed", request.id)
+            item = self._error_event(request.id, f"the engine could not prepare this request: {e!r:.300}", 0, now)
         with self._cv:
-            if request.id in self._handles:
-                item = self._error_event(request.id, f"id: request id {request.id!r} is already in flight", 0, now)
-                handle._put(item)
-                return handle
-            self._handles[request.id] = handle
+            self._pending.discard(request.id)
+            if request.id in self._cancelled_pending:  # cancelled (or stopped) while it was prepared
+                self._cancelled_pending.discard(request.id)
+                if self._handles.get(request.id) is None:
+                    return  # stop() finished it
+                item = FinishEvent(request.id, "cancelled", "", (), 0, 0, 0.0, 0.0, time.monotonic() - now)
             self._inbox.append(item)
             self._cv.notify()
-        return handle
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a queued or running request; its blocks are free before the next step."""
         with self._cv:
             known = request_id in self._handles
-            if known:
+            if request_id in self._pending:
+                self._cancelled_pending.add(request_id)
+            elif known:
                 self._cancels.append(request_id)
                 self._cv.notify()
         return known
@@ -119,6 +150,11 @@ class Engine(StepOutputs, EngineStats):
         self._drain()
         for seq in list(self.seqs.values()):
             self._finish(seq, reason, message)
+        with self._cv:  # requests whose grammar is still compiling end too (their compile is dropped)
+            pending = [rid for rid in self._pending if rid not in self._cancelled_pending]
+            self._cancelled_pending.update(pending)
+        for rid in pending:
+            self._emit(FinishEvent(rid, reason, "", (), 0, 0, 0.0, 0.0, 0.0, message))
         self._flush_sink()
 
     def generate(self, requests: list[GenerationRequest]) -> list[FinishEvent]:
@@ -128,7 +164,10 @@ class Engine(StepOutputs, EngineStats):
         handles = [self.submit(r) for r in requests]
         while any(h.final is None for h in handles):
             idle = not self.step() and not self._inbox and not self._cancels
-            if idle and any(h.final is None for h in handles):  # a refused request finishes in the idle step
+            if idle and self._pending:  # a grammar compiling on the grammar thread
+                with self._cv:
+                    self._cv.wait_for(lambda: self._inbox or not self._pending, 0.05)
+            elif idle and any(h.final is None for h in handles):  # a refused request finishes in the idle step
                 raise RuntimeError("engine idle with unfinished requests")
         return [h.final for h in handles]  # type: ignore[misc]
 
@@ -139,7 +178,7 @@ class Engine(StepOutputs, EngineStats):
     def idle(self) -> bool:
         """Nothing running, waiting or submitted (and every event out)."""
         b = self.batcher
-        return not b.running and not b.waiting and not self._inbox and not self._deferred
+        return not b.running and not b.waiting and not self._inbox and not self._deferred and not self._pending
 
     def reset_prefix_cache(self) -> int:
         """Drop the cached prompt blocks no request holds (benchmarks' cold starts); returns how many."""
@@ -218,14 +257,11 @@ class Engine(StepOutputs, EngineStats):
             self._finish_deferred()
             self._flush_sink()
         runner.synchronize()
-        if runner.prompt_logprobs and runner.prompt_rows:
-            self._prompt_logprobs(runner.prompt_rows)
+        failed = self._prompt_logprobs(runner.prompt_rows) if runner.prompt_logprobs and runner.prompt_rows else {}
         fwd = self.runner.model_s - model_before
         emitted = [seqs[r.id] for r in self.batcher.complete(plan)]
         tokens, rows = sample(logits, emitted, self._generator, self.lm.eos_token_ids) if emitted else ([], None)
-        for seq, tok in zip(emitted, tokens, strict=True):
-            if seq.grammar is not None:
-                seq.grammar.accept(tok)  # before the next step fills its mask
+        emitted, tokens, rows = self._drop_failed(emitted, tokens, rows, failed)
         lps = self._logprobs(tokens, rows) if rows is not None else [None] * len(tokens)
         done = time.monotonic()
         if runner.asynchronous:
@@ -238,6 +274,23 @@ class Engine(StepOutputs, EngineStats):
         if self.config.check_invariants:
             self._check_invariants()
         return True
+
+    def _drop_failed(self, emitted: list[Sequence], tokens: list[int], rows: list | None, failed: dict) -> tuple:
+        """After sampling: each guided sequence's matcher takes its token before the next step fills
+        its mask, and one whose token the grammar does not take (its mask left nothing to draw) fails,
+        never going on with text outside the grammar; the sequences in `failed` (id -> why: their
+        prompt log-probabilities) fail too. Failures end with an error; returns the step's
+        (sequences, tokens, logprob rows) that go on."""
+        for seq, tok in zip(emitted, tokens, strict=True):
+            if seq.grammar is not None and not seq.grammar.accept(tok):
+                failed[seq.id] = "guided: the grammar cannot go on with any token of this model's vocabulary"
+        if not failed:
+            return emitted, tokens, rows
+        for rid, message in failed.items():
+            if rid in self.seqs:
+                self._finish(self.seqs[rid], "error", message)
+        keep = [i for i, seq in enumerate(emitted) if seq.id not in failed]
+        return [emitted[i] for i in keep], [tokens[i] for i in keep], None if rows is None else [rows[i] for i in keep]
 
     def _prepare(self, request: GenerationRequest, now: float) -> Sequence | FinishEvent:
         params = request.params
@@ -273,7 +326,7 @@ class Engine(StepOutputs, EngineStats):
         ledger = self.batcher.ledger
         if ledger is not None and ledger.caching and params.prompt_logprobs is None:
             # prompt log-probabilities need every prompt position's logits: computed, never cached
-            sched.prefix = chain_keys(ids, ledger.block_size)
+            sched.prefix = chain_keys(ids, ledger.block_size, request.cache_salt.encode())
         self.batcher.check(sched)
         seq = Sequence(
             request, sched, ids, len(ids), IncrementalDetokenizer(self.tokenizer), StopMatcher(params.stop), now

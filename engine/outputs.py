@@ -22,6 +22,8 @@ from .sequence import Sequence
 if TYPE_CHECKING:
     from .model import LoadedModel
 
+PROMPT_LOGPROB_ROWS = 256  # prompt positions whose log_softmax is taken at once
+
 
 @dataclass(slots=True)
 class Deferred:
@@ -58,31 +60,44 @@ class StepOutputs:
                 out[i] = TokenLogprobs(chosen[i], r.logprob, r.top_ids, top, r.top_logprobs)
         return out
 
-    def _prompt_logprobs(self, rows: list[tuple[Sequence, int, torch.Tensor]]) -> None:
+    def _prompt_logprobs(self, rows: list[tuple[Sequence, int, torch.Tensor]]) -> dict[str, str]:
         """Log-probabilities of prompt tokens from a step's prompt rows (row i of a chunk starting at
-        position p predicts token p + i + 1). A prompt prefilled again (after a preemption) adds nothing."""
+        position p predicts token p + i + 1), PROMPT_LOGPROB_ROWS rows at a time (the prefill cap's
+        rows over a large vocabulary are gigabytes at once). Returns the sequences whose rows failed
+        (out of memory, most likely), with why: they end with an error once the step is sampled,
+        while the step and the others go on. A prompt prefilled again (after a preemption) adds nothing."""
+        failed: dict[str, str] = {}
         for seq, first, logits in rows:
-            have = seq.prompt_logprobs
-            if not have:  # the first token: nothing predicts it
-                have.append(TokenLogprobs(self.token_texts(seq.token_ids[:1])[0], None))
-            skip = len(have) - (first + 1)  # rows already recorded
             # rows past the prompt (a preempted or resumed request prefills its output too) predict output
             logits = logits[: max(0, seq.prompt_len - 1 - first)]
-            if skip >= len(logits):
-                continue
-            logits = logits[max(skip, 0) :]
-            first += max(skip, 0)
-            targets = seq.token_ids[first + 1 : first + 1 + len(logits)]
-            lp = logits.log_softmax(-1)
-            chosen = lp.gather(1, torch.tensor(targets)[:, None]).squeeze(1).tolist()
-            k = seq.params.prompt_logprobs or 0
-            top_vals, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-            vals, ids = top_vals.tolist(), top_ids.tolist()
-            texts = iter(self.token_texts(targets + [i for row in ids for i in row]))
-            names = [next(texts) for _ in targets]
-            for j, tok_text in enumerate(names):
-                tops = tuple(next(texts) for _ in ids[j])
-                have.append(TokenLogprobs(tok_text, chosen[j], tuple(ids[j]), tops, tuple(vals[j])))
+            for at in range(0, len(logits), PROMPT_LOGPROB_ROWS):
+                try:
+                    self._prompt_rows(seq, first + at, logits[at : at + PROMPT_LOGPROB_ROWS])
+                except Exception as e:
+                    failed[seq.id] = f"prompt_logprobs: could not be computed ({e!r:.200})"
+                    break
+        return failed
+
+    def _prompt_rows(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
+        have = seq.prompt_logprobs
+        if not have:  # the first token: nothing predicts it
+            have.append(TokenLogprobs(self.token_texts(seq.token_ids[:1])[0], None))
+        skip = len(have) - (first + 1)  # rows already recorded
+        if skip >= len(logits):
+            return
+        logits = logits[max(skip, 0) :]
+        first += max(skip, 0)
+        targets = seq.token_ids[first + 1 : first + 1 + len(logits)]
+        lp = logits.log_softmax(-1)
+        chosen = lp.gather(1, torch.tensor(targets)[:, None]).squeeze(1).tolist()
+        k = seq.params.prompt_logprobs or 0
+        top_vals, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+        vals, ids = top_vals.tolist(), top_ids.tolist()
+        texts = iter(self.token_texts(targets + [i for row in ids for i in row]))
+        names = [next(texts) for _ in targets]
+        for j, tok_text in enumerate(names):
+            tops = tuple(next(texts) for _ in ids[j])
+            have.append(TokenLogprobs(tok_text, chosen[j], tuple(ids[j]), tops, tuple(vals[j])))
 
     def _accept_all(
         self, emitted: list[Sequence], tokens: list[int], done: float, lps: list[TokenLogprobs | None]
@@ -222,10 +237,10 @@ def replay(seq: Sequence, emitted: list[int], logprobs: list[TokenLogprobs] | No
     for i, token in enumerate(emitted):
         if reason is not None or seq.sched.generated >= seq.sched.max_new_tokens:
             raise InvalidRequest("emitted", f"{len(emitted)} tokens run past the end of the output (at {i})")
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            raise InvalidRequest("emitted", f"token {token} (at {i}) is outside the request's grammar")
         seq.sched.generated += 1
         _record(seq, token, logprobs[i] if logprobs else None, 0.0)
-        if seq.grammar is not None:
-            seq.grammar.accept(token)
         delta = seq.detok.push(token) if _has_text(seq, token, eos) else None
         reason = _settle(seq, token, delta)[1]
     return reason

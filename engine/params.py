@@ -16,6 +16,11 @@ from weightq.batcher import DEFAULT_PRIORITY, RequestRejected
 FinishReason = Literal["length", "stop", "eos", "cancelled", "error"]
 
 
+# Temperatures below this are greedy, as vLLM's (tasks/limits.py keeps the same floor: a test checks):
+# float32 logits divided by 1e-45 overflow and sampled the least likely token.
+GREEDY_BELOW = 1e-5
+
+
 class InvalidRequest(RequestRejected):
     """A request the engine refuses; `field` names the offending field (as the batcher's refusals do)."""
 
@@ -52,7 +57,7 @@ class SamplingParams:
     def plain_greedy(self) -> bool:
         """The argmax of the raw logits: nothing to adjust or draw."""
         return (
-            self.temperature == 0
+            self.temperature < GREEDY_BELOW
             and self.repetition_penalty == 1.0
             and not (self.presence_penalty or self.frequency_penalty or self.logit_bias or self.min_tokens)
             and self.guided is None
@@ -74,6 +79,9 @@ class GenerationRequest:
     # reported them. The engine prefills them with the prompt and continues at the next index.
     emitted: list[int] = field(default_factory=list)
     emitted_logprobs: list[TokenLogprobs] | None = None
+    # Salts its prompt's prefix-cache keys: requests find only the cached blocks of prompts with the
+    # same salt (the worker gives each tenant its own; "" shares the cache with every unsalted request).
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,13 +14,13 @@ vLLM reports them by default), for the rows that ask, in one pass.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from . import grammar
-from .params import SamplingParams
+from .params import GREEDY_BELOW, SamplingParams
 
 
 class Sampled(Protocol):
@@ -28,6 +28,7 @@ class Sampled(Protocol):
     token_ids: list[int]  # prompt + output so far
     prompt_len: int
     grammar: Any  # a grammar.Guide (structured output), or None
+    extras: RowExtras | None  # its logit bias, min_tokens and penalties as tensors (made at its first step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +53,7 @@ def sample(
         logits = logits.clone()
         _adjust(logits, seqs, eos)
         out = logits.argmax(-1)
-        rows = [i for i, p in enumerate(params) if p.temperature > 0]
+        rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
         if rows:
             out[rows] = _draw(logits[rows], [seqs[i] for i in rows], default_generator)
     tokens = out.tolist()
@@ -60,37 +61,91 @@ def sample(
 
 
 def _adjust(logits: torch.Tensor, seqs: list[Sampled], eos: frozenset[int]) -> None:
-    """Grammars, logit bias, min_tokens, and the three penalties, in place."""
+    """Grammars, logit bias, min_tokens, and the three penalties, in place. The rows that ask carry
+    their extras as dense vectors kept up to date a token at a time (RowExtras), so a step applies
+    them in a few tensor operations over those rows (no Python loop over a bias, a prompt or an
+    output): a request with every extra costs its neighbours little (bench.hostile)."""
     params = [s.params for s in seqs]
     guided = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
     if guided:
         grammar.apply(logits, guided)
-    bias_rows, bias_ids, bias_vals = [], [], []
-    for i, p in enumerate(params):
-        for tok, val in p.logit_bias:
-            bias_rows.append(i)
-            bias_ids.append(tok)
-            bias_vals.append(val)
-    if bias_rows:
-        logits.index_put_(
-            (torch.tensor(bias_rows), torch.tensor(bias_ids)),
-            torch.tensor(bias_vals, dtype=logits.dtype),
-            accumulate=True,
+    rows = [i for i, p in enumerate(params) if p.logit_bias or p.min_tokens or _penalised(p)]
+    if not rows:
+        return
+    extras = [_extras(seqs[i], logits, eos) for i in rows]
+    at = torch.tensor(rows, device=logits.device)
+    sub = logits.index_select(0, at)
+    if any(x.before is not None for x in extras):  # logit bias, and -inf on what min_tokens holds back
+        sub += torch.stack([x.before if x.before is not None else x.zeros() for x in extras])
+    rep = [j for j, x in enumerate(extras) if x.seen is not None]
+    if rep:  # transformers' rule: a seen token's logit is divided by the penalty if positive, else multiplied
+        pen = torch.tensor([params[rows[j]].repetition_penalty for j in rep], dtype=logits.dtype, device=logits.device)
+        part = sub[rep]
+        factor = torch.where(part < 0, pen[:, None], 1 / pen[:, None])
+        sub[rep] = torch.where(torch.stack([extras[j].seen for j in rep]), part * factor, part)
+    if any(x.after is not None for x in extras):  # frequency and presence: OpenAI's, over the output
+        sub -= torch.stack([x.after if x.after is not None else x.zeros() for x in extras])
+    logits.index_copy_(0, at, sub)
+
+
+def _penalised(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or bool(p.frequency_penalty or p.presence_penalty)
+
+
+@dataclass(slots=True, eq=False)
+class RowExtras:
+    """One sequence's sampling extras as dense vectors over the vocabulary, on the logits' device:
+    built at its first step, then kept up to date with one or two element writes per token."""
+
+    before: torch.Tensor | None  # added before the penalties: logit bias, -inf on held-back ids
+    seen: torch.Tensor | None  # bool: in the prompt or the output (repetition penalty)
+    after: torch.Tensor | None  # subtracted last: count x frequency + (count > 0) x presence
+    bias: dict[int, float]  # the logit bias, to restore held-back ids when min_tokens is reached
+    held: list[int]  # the ids min_tokens holds back (stop ids, and EOS unless ignored)
+    counts: dict[int, int] = field(default_factory=dict)  # output token -> times
+    upto: int = 0  # the tokens of token_ids before this are counted
+    holding: bool = False
+
+    def zeros(self) -> torch.Tensor:
+        ref = next(t for t in (self.before, self.after) if t is not None)
+        return torch.zeros_like(ref)
+
+
+def _extras(s: Sampled, logits: torch.Tensor, eos: frozenset[int]) -> RowExtras:
+    p, x = s.params, s.extras
+    if x is None:
+        dev, vocab, dtype = logits.device, logits.shape[-1], logits.dtype
+        held = [t for t in sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else eos)) if t < vocab]
+        held = held if p.min_tokens else []
+        before = None
+        if p.logit_bias or held:
+            before = torch.zeros(vocab, dtype=dtype, device=dev)
+            if p.logit_bias:
+                before[torch.tensor([t for t, _ in p.logit_bias])] = torch.tensor(
+                    [v for _, v in p.logit_bias], dtype=dtype
+                )
+        x = s.extras = RowExtras(
+            before,
+            torch.zeros(vocab, dtype=torch.bool, device=dev) if p.repetition_penalty != 1.0 else None,
+            torch.zeros(vocab, dtype=dtype, device=dev) if p.frequency_penalty or p.presence_penalty else None,
+            dict(p.logit_bias),
+            held,
         )
-    held_rows, held_ids = [], []
-    for i, (s, p) in enumerate(zip(seqs, params, strict=True)):
-        if p.min_tokens and len(s.token_ids) - s.prompt_len < p.min_tokens:
-            ends = set(p.stop_token_ids) | (set() if p.ignore_eos else eos)
-            held_rows += [i] * len(ends)
-            held_ids += sorted(ends)
-    if held_rows:
-        logits[torch.tensor(held_rows), torch.tensor(held_ids)] = float("-inf")
-    rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-    if rep:
-        _repetition_penalty(logits, [seqs[i] for i in rep], rep)
-    pen = [i for i, p in enumerate(params) if p.frequency_penalty or p.presence_penalty]
-    if pen:
-        _frequency_presence(logits, [seqs[i] for i in pen], pen)
+    new = s.token_ids[x.upto :]
+    if x.seen is not None and new:
+        x.seen[new[0] if len(new) == 1 else torch.tensor(new)] = True
+    if x.after is not None:
+        for t in new[max(0, s.prompt_len - x.upto) :]:  # a step's one token (a resumed run's output once)
+            n = x.counts[t] = x.counts.get(t, 0) + 1
+            x.after[t] = n * p.frequency_penalty + p.presence_penalty
+    x.upto = len(s.token_ids)
+    holding = len(s.token_ids) - s.prompt_len < p.min_tokens and bool(x.held)
+    if holding != x.holding and x.before is not None:  # min_tokens: held back, then released
+        x.holding = holding
+        x.before[torch.tensor(x.held)] = torch.tensor(
+            [float("-inf") if holding else x.bias.get(t, 0.0) for t in x.held], dtype=x.before.dtype
+        )
+    return x
 
 
 def _draw(logits: torch.Tensor, seqs: list[Sampled], default_generator: torch.Generator) -> torch.Tensor:
@@ -146,35 +201,3 @@ def _logprobs(raw: torch.Tensor, seqs: list[Sampled], tokens: torch.Tensor) -> l
         n = seqs[i].params.logprobs or 0
         out[i] = RowLogprobs(chosen[j], tuple(ids[j][:n]), tuple(vals[j][:n]))
     return out
-
-
-def _output_ids(seqs: list[Sampled]) -> tuple[torch.Tensor, torch.Tensor]:
-    """[rows, longest] output token ids, padded with 0, and the mask of real ones."""
-    spans = [s.token_ids[s.prompt_len :] for s in seqs]
-    longest = max(1, max(len(x) for x in spans))
-    ids = torch.tensor([x + [0] * (longest - len(x)) for x in spans])
-    mask = torch.tensor([[1.0] * len(x) + [0.0] * (longest - len(x)) for x in spans])
-    return ids, mask
-
-
-def _repetition_penalty(logits: torch.Tensor, seqs: list[Sampled], rows: list[int]) -> None:
-    """transformers' rule: a seen token's logit is divided by the penalty if positive, else multiplied.
-    Rows are padded with their own first token: a repeated index writes the same value."""
-    longest = max(len(s.token_ids) for s in seqs)
-    ids = torch.tensor([s.token_ids + [s.token_ids[0]] * (longest - len(s.token_ids)) for s in seqs])
-    row_t = torch.tensor(rows)
-    pen = torch.tensor([s.params.repetition_penalty for s in seqs], dtype=logits.dtype)[:, None]
-    sub = logits[row_t]
-    seen = sub.gather(1, ids)
-    sub.scatter_(1, ids, torch.where(seen < 0, seen * pen, seen / pen))
-    logits[row_t] = sub
-
-
-def _frequency_presence(logits: torch.Tensor, seqs: list[Sampled], rows: list[int]) -> None:
-    """OpenAI's rule, over the output so far: logit -= count * frequency + (count > 0) * presence."""
-    ids, mask = _output_ids(seqs)
-    counts = torch.zeros(len(seqs), logits.shape[-1], dtype=logits.dtype).scatter_add_(1, ids, mask.to(logits.dtype))
-    freq = torch.tensor([s.params.frequency_penalty for s in seqs], dtype=logits.dtype)[:, None]
-    pres = torch.tensor([s.params.presence_penalty for s in seqs], dtype=logits.dtype)[:, None]
-    row_t = torch.tensor(rows)
-    logits[row_t] -= counts * freq + (counts > 0).to(logits.dtype) * pres

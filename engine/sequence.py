@@ -27,6 +27,7 @@ class Sequence:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, when asked for
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # per prompt token, when asked
     grammar: Any = None  # structured output: its grammar.Guide, advanced with each token
+    extras: Any = None  # its sampling extras as tensors (sampling.RowExtras), made at its first step
 
     @property
     def block_table(self) -> list[int]:

@@ -10,10 +10,11 @@ Keys (all expire; see Settings):
           tokens, top logprobs] (the model's log_softmax, best first)
       {"type": "end", "reason": ..., "result": JSON}     the last entry of a finished job
       {"type": "error", "message": ..., "field": ...}    the last entry of a failed job
-  weightq:job:{id}     a hash: state (queued | running | done | cancelled), attempt (runs begun: the
-                       fence of stream writes), crashes (worker deaths charged to it), run and owner
-                       (the run and worker instance that began it last), charged (the last dead run
-                       counted), cancel, result, error and field (a failed job), request and queued_at
+  weightq:job:{id}     a hash: state (queued | running | done | cancelled), tenant (whose job it is),
+                       attempt (runs begun: the fence of stream writes), crashes (worker deaths charged
+                       to it), run and owner (the run and worker instance that began it last), charged
+                       (the last dead run counted), cancel, result, error and field (a failed job),
+                       request and queued_at (for recovery)
   weightq:queued       a sorted set: ids of jobs submitted and not yet started, by submission time
   weightq:started-hw   a hash: per priority class, the latest submission time of a job of that class
                        that has started (FIFO high-water marks: the broker keeps a list per class)
@@ -255,11 +256,12 @@ def result_dict(ev: Finished) -> dict[str, Any]:
 
 # ----- the scripts that change a job's state (atomic in Redis) ------------------------------------
 
-# Submit: the job's state and request (kept so that a job whose message is lost can be sent again)
-# and its place in the queued set; a known id keeps what it has.
-# KEYS: job hash, queued set. ARGV: request JSON, now, job ttl, job id.
+# Submit: the job's state, tenant and request (kept so that a job whose message is lost can be sent
+# again) and its place in the queued set; a known id keeps what it has.
+# KEYS: job hash, queued set. ARGV: request JSON, now, job ttl, job id, tenant.
 SUBMIT = """
 redis.call('HSETNX', KEYS[1], 'state', 'queued')
+redis.call('HSETNX', KEYS[1], 'tenant', ARGV[5])
 redis.call('HSETNX', KEYS[1], 'request', ARGV[1])
 redis.call('HSETNX', KEYS[1], 'queued_at', ARGV[2])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
@@ -400,6 +402,24 @@ redis.call('EXPIRE', KEYS[2], ARGV[2])
 redis.call('HSET', KEYS[1], 'state', 'done', 'error', ARGV[4], 'field', ARGV[5])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('ZREM', KEYS[3], ARGV[6])
+return 1
+"""
+
+# End a running job with an error entry when a worker cannot write its stream (a non-transient error,
+# e.g. OOM under maxmemory) instead of retrying for ever. Its first write (HDEL of the stored request,
+# which a finished job no longer needs) frees memory and is not refused under maxmemory; Redis then
+# lets the script's other writes through (a script that has begun writing is not stopped midway).
+# Fenced as WRITE_BATCH is: a job that has begun a later run than the writer's is not its to end (2).
+# KEYS: job hash, stream. ARGV: stream maxlen, stream ttl, job ttl, message, the writer's attempt ('': any).
+ABORT = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if state == 'done' or state == 'cancelled' then return 0 end
+if ARGV[5] ~= '' and redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[5] then return 2 end
+redis.call('HDEL', KEYS[1], 'request')
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'error', 'message', ARGV[4], 'field', '')
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+redis.call('HSET', KEYS[1], 'state', 'done', 'error', ARGV[4], 'field', '')
+redis.call('EXPIRE', KEYS[1], ARGV[3])
 return 1
 """
 

@@ -22,6 +22,11 @@ MAX_PRIORITY = 9
 DEFAULT_PRIORITY = 5
 
 
+# The highest class a gateway caller may ask for (X-Priority) unless KEY_PRIORITIES grants its key
+# more: the top classes jump every queue, so they are given, not taken (a setting: OPEN_MAX_PRIORITY).
+OPEN_MAX_PRIORITY = 7
+
+
 def broker_priority(priority: int) -> int:
     """The Celery message priority of a job of class `priority` on Redis, where kombu takes message
     priority 0 first and counts a message without one as 0: every message names it, class 9 as 0."""
@@ -39,10 +44,25 @@ MAX_LOGIT_BIAS = 1024  # entries
 MAX_LOGIT_BIAS_VALUE = 100.0  # |bias|, as OpenAI allows
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 MAX_GUIDED_CHARS = 65_536  # a schema (as JSON) or a regex
+# Nesting of a JSON schema (objects and arrays in its JSON text; a property of an object is two levels):
+# xgrammar's compile time grows steeply with it (2 cores: 32 nested objects 0.01 s, 128 0.4 s, 300 7 s).
+MAX_GUIDED_DEPTH = 64
+MAX_PROMPT_TOKEN_IDS = 1_000_000  # a prompt given as token ids (a worker's max_input_length is the real bound)
+# What one HTTP request may ask for in all: its prompts' characters or token ids summed over its
+# choices (prompts x n). Each choice is a job whose request is stored in Redis: 32 copies of a
+# 300,000-id prompt were ~27 MiB written before the worker refused them.
+MAX_REQUEST_PROMPT_UNITS = 4_000_000
+# Temperatures below this are greedy (as vLLM's _SAMPLING_EPS): dividing float32 logits by 1e-45
+# overflows to inf and sampled the least likely token. The engine keeps the same floor.
+GREEDY_BELOW = 1e-5
 TOKEN_ID_LIMIT = 2**31  # token ids are below this (the vocabulary, checked by the worker, is smaller)
 ROLES = ("system", "user", "assistant", "tool")
 GUIDED_KINDS = ("json_schema", "json_object", "regex")
-ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")  # a job id chosen by its caller
+ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")  # a job id chosen by its caller; also a tenant
+# Whose job it is: the gateway sets its caller's (an id of its API key, gateway/guard.py); reading,
+# resuming and cancelling a job there check it, and the prefix cache is salted by it. Jobs of a
+# keyless gateway and of the Python client belong to this one.
+LOCAL_TENANT = "local"
 
 
 @dataclass(frozen=True, slots=True)

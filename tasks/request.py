@@ -21,14 +21,19 @@ from typing import Any
 from .limits import (
     DEFAULT_PRIORITY,
     DEFAULTS,
+    GREEDY_BELOW,
     GUIDED_KINDS,
     ID_PATTERN,
     INTEGERS,
+    LOCAL_TENANT,
     MAX_GUIDED_CHARS,
+    MAX_GUIDED_DEPTH,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_VALUE,
     MAX_MESSAGES,
     MAX_PROMPT_CHARS,
+    MAX_PROMPT_TOKEN_IDS,
+    MAX_REQUEST_PROMPT_UNITS,
     MAX_STOP,
     MAX_STOP_CHARS,
     MAX_STOP_TOKEN_IDS,
@@ -113,6 +118,8 @@ class Guided:
                 schema = None
             if not isinstance(schema, dict):
                 raise RequestError("guided", "json_schema must be a JSON schema (an object, or its JSON text)")
+            if nesting(schema, MAX_GUIDED_DEPTH) > MAX_GUIDED_DEPTH:
+                raise RequestError("guided", f"json_schema nests deeper than {MAX_GUIDED_DEPTH} levels")
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +156,7 @@ class JobRequest:
     # scheduling and identity
     priority: int = DEFAULT_PRIORITY  # its class on the scale of tasks/limits.py
     request_id: str | None = None  # the job id; None: the client draws one
+    tenant: str = LOCAL_TENANT  # whose job it is (the gateway sets its caller's; tasks/limits.py)
 
     def __post_init__(self) -> None:
         self._check_prompt()
@@ -160,6 +168,8 @@ class JobRequest:
             not isinstance(self.request_id, str) or not ID_PATTERN.match(self.request_id)
         ):
             raise RequestError("request_id", "must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")
+        if not isinstance(self.tenant, str) or not ID_PATTERN.match(self.tenant):
+            raise RequestError("tenant", "must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")
 
     def _set(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)  # normalising a field of the frozen object being built
@@ -178,6 +188,8 @@ class JobRequest:
             ids = self.prompt_token_ids
             if not isinstance(ids, list | tuple) or not ids:
                 raise RequestError("prompt_token_ids", "must be a non-empty list of integers")
+            if len(ids) > MAX_PROMPT_TOKEN_IDS:  # the size first, before any work per id
+                raise RequestError("prompt_token_ids", f"{len(ids)} token ids exceeds {MAX_PROMPT_TOKEN_IDS}")
             if not all(_is_int(t) and 0 <= t < TOKEN_ID_LIMIT for t in ids):
                 raise RequestError("prompt_token_ids", "every entry must be an integer in [0, 2**31)")
             self._set("prompt_token_ids", tuple(ids))
@@ -205,6 +217,8 @@ class JobRequest:
             if not math.isfinite(x) or x not in allowed:
                 raise RequestError(name, f"must be a finite number in {allowed} (got {x})")
             self._set(name, x)
+        if self.temperature < GREEDY_BELOW:
+            self._set("temperature", 0.0)  # greedy, as vLLM: 1/1e-45 overflows float32 logits
         if not isinstance(self.ignore_eos, bool):
             raise RequestError("ignore_eos", "must be true or false")
 
@@ -219,7 +233,8 @@ class JobRequest:
             if not isinstance(pair, list | tuple) or len(pair) != 2:
                 raise RequestError("logit_bias", "must be an object of token ids to numbers")
             key, value = pair
-            tok = int(key) if isinstance(key, str) and key.isdigit() and len(key) <= 10 else key
+            # isdigit() alone admits "²" and other digits int() refuses
+            tok = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10 else key
             if not _is_int(tok) or not 0 <= tok < TOKEN_ID_LIMIT:
                 raise RequestError("logit_bias", f"keys must be token ids (got {str(key)[:32]!r})")
             if not isinstance(value, int | float) or isinstance(value, bool) or not abs(value) <= MAX_LOGIT_BIAS_VALUE:
@@ -254,13 +269,31 @@ class JobRequest:
 
     def check_room(self, max_total_tokens: int) -> None:
         """Refuse what every worker would refuse without a tokenizer: more new tokens than a serving
-        limit of `max_total_tokens` (prompt + output) leaves room for, a prompt being at least one token."""
+        limit of `max_total_tokens` (prompt + output) leaves room for, a prompt being at least one token,
+        and a prompt of token ids that leaves no room for one new token."""
         if max_total_tokens and self.max_new_tokens is not None and self.max_new_tokens > max_total_tokens - 1:
             raise RequestError(
                 "max_new_tokens",
                 f"{self.max_new_tokens} leaves no room for a prompt within max_total_tokens {max_total_tokens} "
                 f"(at most {max_total_tokens - 1})",
             )
+        if max_total_tokens and self.prompt_token_ids is not None and len(self.prompt_token_ids) >= max_total_tokens:
+            raise RequestError(
+                "prompt_token_ids",
+                f"{len(self.prompt_token_ids)} tokens leave no room for output within max_total_tokens "
+                f"{max_total_tokens} (at most {max_total_tokens - 1})",
+            )
+
+    def with_seed(self, seed: int) -> JobRequest:
+        """This checked request with another seed (sample i of n): only the seed is checked again, so
+        n samples of a long prompt cost one prompt check, not n."""
+        allowed = INTEGERS["seed"]
+        if not _is_int(seed) or seed not in allowed:
+            raise RequestError("seed", f"must be an integer in [{allowed.lo}, {allowed.hi}] (got {str(seed)[:32]})")
+        copy = object.__new__(JobRequest)
+        for f in fields(self):
+            object.__setattr__(copy, f.name, seed if f.name == "seed" else getattr(self, f.name))
+        return copy
 
     def to_json(self) -> dict[str, Any]:
         """The request as the task takes it: the fields that differ from their defaults, and always
@@ -303,6 +336,45 @@ def parse_request(data: object, door: Door = Door.JOB, *, max_total_tokens: int 
     job = JobRequest(**values)
     job.check_room(max_total_tokens)
     return job
+
+
+def prompt_units(job: Mapping) -> int:
+    """The size of a job request's prompt (a JSON object, before it is parsed): characters, token ids,
+    or the characters of a chat's messages; what MAX_REQUEST_PROMPT_UNITS counts, with no work per item."""
+    for name in ("prompt", "prompt_token_ids"):
+        if isinstance(value := job.get(name), str | list | tuple):
+            return len(value)
+    messages = job.get("messages")
+    if not isinstance(messages, list | tuple):
+        return 0
+    texts = (m.get("content") for m in messages[: MAX_MESSAGES + 1] if isinstance(m, Mapping))  # more: refused
+    return sum(len(t) for t in texts if isinstance(t, str))
+
+
+def check_request_size(jobs: list[Mapping], n: int = 1, field: str = "prompt") -> None:
+    """Refuse, before any job is parsed or stored, a request whose choices (each job `n` times) ask
+    for more prompt than MAX_REQUEST_PROMPT_UNITS in all (`field`: what the caller's API calls the
+    prompt)."""
+    total = n * sum(prompt_units(job) for job in jobs)
+    if total > MAX_REQUEST_PROMPT_UNITS:
+        raise RequestError(
+            field,
+            f"{len(jobs) * n} choices ask for {total} prompt characters or token ids in all, "
+            f"more than {MAX_REQUEST_PROMPT_UNITS} per request",
+        )
+
+
+def nesting(value: object, limit: int) -> int:
+    """How deeply a JSON value's arrays and objects nest, counted iteratively up to `limit` + 1."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, Mapping | list):
+            deepest = max(deepest, depth)
+            if depth > limit:
+                return depth
+            todo.extend((c, depth + 1) for c in (v.values() if isinstance(v, Mapping) else v))
+    return deepest
 
 
 def _float(v: float) -> float:

@@ -294,7 +294,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
     refuse_taken_ports("weightq gateway", host, {"gateway": port})  # before anything else, not at bind time
     url = ensure_redis(settings)
-    app = create_app(settings, url)
+    app = create_app(settings.model_copy(update={"gateway_host": host}), url)  # its Host check knows the bind
     server = uvicorn.Server(
         # proxy_headers off: the app applies TRUSTED_PROXIES itself (however it is served)
         uvicorn.Config(

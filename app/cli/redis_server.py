@@ -10,6 +10,8 @@ regenerated only if the job is redelivered)."""
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import socket
 import subprocess
 import time
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import redis
+from weightq.redis_conn import redacted
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +85,7 @@ class EmbeddedRedis:
                 raise RuntimeError(f"embedded redis-server exited with {self.proc.returncode}: {err[-500:]}")
             try:  # answering PING, not LOADING: the append-only file has been replayed
                 redis.Redis.from_url(self.url, socket_timeout=1, socket_connect_timeout=0.2).ping()
-                log.info("embedded Redis on %s (data in %s)", self.url, self.data_dir)
+                log.info("embedded Redis on %s (data in %s)", redacted(self.url), self.data_dir)
                 return self.url
             except redis.RedisError:
                 time.sleep(0.02)
@@ -211,6 +214,28 @@ class SentinelGroup:
             s.stop()
 
 
+def write_private(path: Path, text: str) -> None:
+    """A file only its owner may read (mode 0600), however it existed before."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def embedded(settings) -> EmbeddedRedis:
+    """The embedded Redis of WEIGHTQ_HOME, with its password: generated once and kept in
+    WEIGHTQ_HOME/redis/password (mode 0600, like the URL file beside it, which clients read). Bound to
+    127.0.0.1 alone, it still answered any local process and any page that reached the port, and a
+    Redis 6.2 client can write files as the weightq user (CONFIG SET dir)."""
+    home = settings.home / "redis"
+    home.mkdir(parents=True, exist_ok=True)
+    home.chmod(0o700)
+    secret = home / "password"
+    if not secret.exists():
+        write_private(secret, secrets.token_urlsafe(32))
+    return EmbeddedRedis(home, appendfsync=settings.redis_appendfsync, password=secret.read_text().strip())
+
+
 def ensure_redis(settings) -> str:
     """REDIS_URL if set; else the embedded Redis (started now unless one already answers)."""
     import redis
@@ -225,8 +250,11 @@ def ensure_redis(settings) -> str:
             return url
         except redis.RedisError:
             pass
-    server = EmbeddedRedis(settings.home / "redis", appendfsync=settings.redis_appendfsync)
+    server = embedded(settings)
     url = server.start()
-    url_file.write_text(url)
-    print(f"weightq: started the embedded Redis at {url} (data in {server.data_dir}); set REDIS_URL to use another")
+    write_private(url_file, url)
+    print(
+        f"weightq: started the embedded Redis at {redacted(url)} (data in {server.data_dir}, its password in "
+        f"{server.data_dir / 'password'}); set REDIS_URL to use another"
+    )
     return url

@@ -20,11 +20,11 @@ from typing import IO
 
 import redis
 from weightq.metrics import live_workers
-from weightq.redis_conn import connect
+from weightq.redis_conn import connect, redacted
 from weightq.settings import Settings
 from weightq.tasks.contract import HEARTBEATS
 
-from .redis_server import EmbeddedRedis
+from .redis_server import EmbeddedRedis, embedded, write_private
 from .supervise import refuse_taken_ports, signals_ignored, stop_on_signals
 
 
@@ -52,22 +52,29 @@ class Stack:
         if s.redis_url:
             self.url = s.redis_url
         else:
-            self.redis_server = EmbeddedRedis(s.home / "redis", appendfsync=s.redis_appendfsync)
+            self.redis_server = embedded(s)
             self.url = self.redis_server.start()
-            (s.home / "redis" / "url").write_text(self.url)
-            print(f"weightq: embedded Redis at {self.url} (data in {self.redis_server.data_dir})", flush=True)
+            write_private(s.home / "redis" / "url", self.url)
+            print(f"weightq: embedded Redis at {redacted(self.url)} (data in {self.redis_server.data_dir})", flush=True)
         env = dict(os.environ, REDIS_URL=self.url, PYTHONUNBUFFERED="1")
         py = [sys.executable, "-m"]
         self._spawn("worker", [*py, "weightq.cli", "worker", "-n", self.worker_name, "-l", "INFO"], env)
         gw = [*py, "weightq.cli", "gateway", "--host", self.host, "--port", str(self.port), "--log-level", "warning"]
         self._spawn("gateway", gw, env)
         if self.flower_port is not None:
-            flower = [*py, "celery", "-A", "app", "flower", f"--port={self.flower_port}", f"--address={self.host}"]
-            auth = os.environ.get("FLOWER_BASIC_AUTH")
-            if auth:
-                flower.append(f"--basic-auth={auth}")
-            env_f = env if auth else env | {"FLOWER_UNAUTHENTICATED_API": "true"}
-            self._spawn("flower", flower, env_f)
+            self._spawn("flower", self.flower_command(), env)
+
+    @property
+    def flower_address(self) -> str:
+        """Flower revokes jobs, shuts workers down and sends tasks past the gateway's keys and limits:
+        without FLOWER_BASIC_AUTH it listens on 127.0.0.1 only (and its API stays off unless
+        FLOWER_UNAUTHENTICATED_API is set: Flower's own switch)."""
+        return self.host if os.environ.get("FLOWER_BASIC_AUTH") else "127.0.0.1"
+
+    def flower_command(self) -> list[str]:
+        auth = os.environ.get("FLOWER_BASIC_AUTH")
+        flower = [sys.executable, "-m", "celery", "-A", "weightq", "flower", f"--port={self.flower_port}"]
+        return [*flower, f"--address={self.flower_address}", *([f"--basic-auth={auth}"] if auth else [])]
 
     def _spawn(self, name: str, cmd: list[str], env: dict) -> None:
         log = open(self.log_dir / f"{name}.log", "w") if self.log_dir else None  # noqa: SIM115 (closed in stop)
@@ -149,7 +156,7 @@ class Stack:
             self.wait_ready()
             print(f"weightq: ready. HTTP {self.base} (OpenAI: {self.base}/v1, TGI: {self.base}/generate)", flush=True)
             if self.flower_port is not None:
-                print(f"weightq: Flower at http://{self.host}:{self.flower_port}", flush=True)
+                print(f"weightq: Flower at http://{self.flower_address}:{self.flower_port}", flush=True)
             print("weightq: Ctrl-C stops everything", flush=True)
             while True:
                 self.check_children()

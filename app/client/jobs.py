@@ -196,8 +196,8 @@ class Client:
         now = repr(time.time())
         s = self.settings
         calls = [
-            ([job_key(job_id), QUEUED], [json.dumps(r), now, s.result_ttl_s, job_id])
-            for job_id, r in zip(ids, wire, strict=True)
+            ([job_key(job_id), QUEUED], [json.dumps(r), now, s.result_ttl_s, job_id, job.tenant])
+            for job_id, r, job in zip(ids, wire, jobs, strict=True)
         ]
         # The request is kept with the job so that a worker can re-send a job whose message is lost
         # (app/worker/recovery.py): once this write is in, the job is accepted.

@@ -1,17 +1,21 @@
 """The gateway's job side, shared by its OpenAI and TGI routes: submit a job, follow its stream (all
 streams over one connection, see hub.py), collect its result, answer with an SSE stream, and cancel
-the job of a client that went away."""
+the job of a client that went away.
+
+Every job belongs to its caller's tenant (guard.py: an id of its API key). A stream resumed with
+Last-Event-ID must be of the caller's tenant (else it is as unknown as an expired one), and only the
+request that started a job cancels it when its client goes away: a resumed stream only follows.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import gc
-import json
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import redis
 from fastapi import FastAPI, Request
@@ -21,13 +25,15 @@ from weightq.metrics import QueueCollector, WorkerCollector, live_workers, queue
 from weightq.redis_conn import redacted
 from weightq.settings import Settings
 from weightq.tasks.contract import DEAD, HEARTBEATS, Replay, job_key, outcome
-from weightq.tasks.limits import ID_PATTERN, Door
-from weightq.tasks.request import JobRequest, parse_request
+from weightq.tasks.limits import ID_PATTERN, LOCAL_TENANT
+from weightq.tasks.request import JobRequest
 
+from .browser import BrowserGuard
 from .errors import HTTPError
 from .hub import StreamHub
-from .limits import ClientLimits, ServingLimits
-from .priority import caller_priority, key_classes
+from .intake import Intake
+from .limits import DEFAULT_CONCURRENT_PER_KEY, DEFAULT_RATE_PER_KEY, ClientLimits, ServingLimits, resolved
+from .priority import key_classes
 from .submitter import Submitter
 
 log = logging.getLogger(__name__)
@@ -50,7 +56,13 @@ class Gateway:
         self.serving = ServingLimits(self.workers)
         self.keys = [k.strip().encode() for k in settings.api_key.split(",") if k.strip()]
         self.key_classes = key_classes(settings.key_priorities)
-        self.limits = ClientLimits(settings.max_concurrent_per_client, settings.rate_limit_per_s, settings.rate_burst)
+        self.browser = None if self.keys else BrowserGuard(settings.gateway_host, settings.allowed_hosts)
+        self.limits = ClientLimits(
+            int(resolved(settings.max_concurrent_per_client, bool(self.keys), DEFAULT_CONCURRENT_PER_KEY)),
+            resolved(settings.rate_limit_per_s, bool(self.keys), DEFAULT_RATE_PER_KEY),
+            settings.rate_burst,
+        )
+        self.intake = Intake(settings, self.serving, self.key_classes, self.limits)
         self.hub: StreamHub | None = None
         self.registry = CollectorRegistry()
         self.http_requests = Counter(
@@ -101,30 +113,6 @@ class Gateway:
             return live_workers(self.client.redis.hgetall(HEARTBEATS))
         except redis.RedisError:
             return {}
-
-    async def body(self, request: Request) -> Any:
-        limit = self.settings.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise HTTPError(413, f"request body of {declared} bytes exceeds {limit}", "body")
-        raw = b""
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > limit:
-                raise HTTPError(413, f"request body exceeds {limit} bytes", "body")
-        try:
-            return json.loads(raw)
-        except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, absurd nesting
-            raise HTTPError(400, f"body is not valid JSON: {str(e)[:200]}", "body") from None
-
-    def parse(self, request: Request, jobs: list[dict], door: Door) -> list[JobRequest]:
-        """A route's job requests (in the contract's field names), parsed once with the door's
-        defaults, at the caller's priority class, and refused (by field) when no live worker's
-        max_total_tokens leaves room for them."""
-        priority = caller_priority(request, self.key_classes)
-        limit = self.serving.max_total_tokens()
-        extra = {} if priority is None else {"priority": priority}
-        return [parse_request(job | extra, door, max_total_tokens=limit) for job in jobs]
 
     async def submit(self, job: JobRequest) -> str:
         return await self.submitter.submit(job)
@@ -201,18 +189,21 @@ class Gateway:
             task.cancel()
             raise
 
-    async def start(self, request: Request, job: JobRequest, streaming: bool) -> tuple[str, str]:
-        """(job id, stream position): a new job, or, for a stream re-requested with `Last-Event-ID:
-        <job id>/<entry id>` (the SSE ids we send), the same job from where the client left off."""
+    async def start(self, request: Request, job: JobRequest, streaming: bool) -> tuple[str, str, bool]:
+        """(job id, stream position, whether this request owns the job): a new job, or, for a stream
+        re-requested with `Last-Event-ID: <job id>/<entry id>` (the SSE ids we send), the same job of
+        the caller's tenant from where the client left off, followed and never cancelled from here."""
         resume = request.headers.get("last-event-id")
         if not resume or not streaming:
-            return await self.submit(job), "0-0"
+            return await self.submit(job), "0-0", True
         job_id, _, last_id = resume.partition("/")
         if not ID_PATTERN.match(job_id) or not STREAM_ID.match(last_id):
             raise HTTPError(400, "Last-Event-ID must be '<job id>/<entry id>' as sent in the stream", "Last-Event-ID")
-        if not await asyncio.to_thread(self.client.redis.exists, job_key(job_id)):
+        state, tenant = await asyncio.to_thread(self.client.redis.hmget, job_key(job_id), ["state", "tenant"])
+        owner = tenant.decode() if tenant is not None else LOCAL_TENANT  # a job from before tenants: local
+        if state is None or owner != job.tenant:  # another tenant's job is as unknown as an expired one
             raise HTTPError(404, f"job {job_id} is unknown or expired", "Last-Event-ID", "not_found_error")
-        return job_id, last_id
+        return job_id, last_id, False
 
     async def results(self, request: Request, job_ids: list[str]) -> list[dict]:
         """Every job's result, in order; a failure (or the client leaving) cancels the others."""

@@ -29,6 +29,8 @@ def error_response(route: str, e: HTTPError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
     if e.retry_after:
         headers["Retry-After"] = e.retry_after
+    if e.status in (408, 413):  # the rest of the body is not read: the connection cannot go on
+        headers["Connection"] = "close"
     if route.startswith("/v1/"):
         body: dict = {"error": {"message": e.message, "type": e.kind, "param": e.field, "code": None}}
     else:  # TGI's shape: {"error", "error_type"}

@@ -1,9 +1,13 @@
-"""The gateway's edge: the API key check, per-client limits, request counts, and the error body
-each API expects (OpenAI's or TGI's shape)."""
+"""The gateway's edge: the API key check (and the caller's tenant), a keyless gateway's browser
+checks, per-client limits, request counts, and the error body each API expects (OpenAI's or TGI's
+shape)."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+
+from weightq.tasks.limits import LOCAL_TENANT
 
 from .core import Gateway
 from .errors import HTTPError, error_response
@@ -40,6 +44,14 @@ def check_key(keys: list[bytes], authorization: str) -> str | None:
     return matched
 
 
+def tenant_of(key: str | None) -> str:
+    """The tenant of a caller: an id of its API key (a hash: the key itself never reaches Redis), or
+    the one local tenant of a keyless gateway."""
+    if key is None:
+        return LOCAL_TENANT
+    return "key-" + hashlib.blake2b(key.encode(), digest_size=12, person=b"weightq-tenant").hexdigest()
+
+
 class Guard:
     """ASGI middleware: the API key check and per-route request counts. (Pure ASGI, not Starlette's
     BaseHTTPMiddleware, which hides a client's disconnect from the handlers.)"""
@@ -63,24 +75,29 @@ class Guard:
             await send(message)
 
         client = None
+        state = scope.setdefault("state", {})
         try:
-            if path not in self.OPEN:
-                auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-                try:
-                    key = check_key(self.gw.keys, auth)
-                    scope.setdefault("state", {})["api_key"] = key  # its priority class (Gateway.prioritize)
+            try:
+                headers = dict(scope["headers"])
+                if self.gw.browser is not None:  # keyless: what a browser page could send is refused
+                    self.gw.browser.check(scope["method"], headers)
+                if path not in self.OPEN:
+                    key = check_key(self.gw.keys, headers.get(b"authorization", b"").decode("latin-1"))
+                    state["api_key"] = key  # its priority class (priority.py)
+                    state["tenant"] = tenant_of(key)  # whose jobs it may start, resume and cancel
                     if scope["method"] == "POST":  # generation routes: limited per client
                         who = f"key:{key}" if key else f"addr:{(scope.get('client') or ('?',))[0]}"
                         wait = self.gw.limits.acquire(who)
                         if wait is not None:
                             raise HTTPError(429, f"too many requests; retry in {wait:.1f} s", None, "rate_limit_error",
                                             retry_after(wait))  # fmt: skip
-                        client = who
-                except HTTPError as e:
-                    await error_response(path, e)(scope, receive, send_status)
-                    return
+                        client = state["limited_as"] = who
+                        state["held"] = 1  # generations it holds: Gateway.hold() adds a request's other choices
+            except HTTPError as e:
+                await error_response(path, e)(scope, receive, send_status)
+                return
             await self.app(scope, receive, send_status)
         finally:
             if client is not None:
-                self.gw.limits.release(client)
+                self.gw.limits.release(client, state.get("held", 1))
             self.gw.http_requests.labels(path if path in KNOWN_ROUTES else "other", str(status)).inc()

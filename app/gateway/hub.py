@@ -5,6 +5,8 @@ reader task that XREADs every followed stream at once and hands entries to per-f
 Between reads it blocks on the workers' STREAM_TICK stream (one entry per batch they write), not on every
 followed stream. A follower that registers while the hub waits is picked up on the next round (the
 wait is short), and it reads from its own `last_id`, so nothing written before it registered is missed.
+A stream may have several followers (a client resuming a stream that is still live): the hub reads it
+from the earliest of their positions and gives each what lies past its own.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class StreamHub:
         raw_xread(self.redis)
         self.block_ms = block_ms
         self.count = count
-        self._followers: dict[str, _Follower] = {}  # by stream key
+        self._followers: dict[str, list[_Follower]] = {}  # by stream key
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._closing = False
@@ -60,7 +62,7 @@ class StreamHub:
 
     @property
     def following(self) -> int:
-        return len(self._followers)
+        return sum(len(fs) for fs in self._followers.values())
 
     async def follow_batches(
         self, job_id: str, last_id: str = "0-0", idle_timeout_s: float | None = None
@@ -71,10 +73,9 @@ class StreamHub:
         for `idle_timeout_s` (give or take a quarter of it: one watchdog checks every follower, where
         a timer per wait cost a tenth of the gateway's time per token)."""
         key = stream_key(job_id)
-        if key in self._followers:
-            raise RuntimeError(f"job {job_id} already has a follower on this hub")
         queue: asyncio.Queue = asyncio.Queue()
-        self._followers[key] = _Follower(last_id, queue, idle_timeout_s, asyncio.get_running_loop().time())
+        me = _Follower(last_id, queue, idle_timeout_s, asyncio.get_running_loop().time())
+        self._followers.setdefault(key, []).append(me)
         self._wake.set()
         try:
             while True:
@@ -91,16 +92,21 @@ class StreamHub:
                         return
                 yield batch
         finally:
-            self._followers.pop(key, None)
+            others = [f for f in self._followers.get(key, ()) if f is not me]
+            if others:
+                self._followers[key] = others
+            else:
+                self._followers.pop(key, None)
 
     async def _watch_idle(self) -> None:
         """Ends with TimeoutError every follower that heard nothing for its idle timeout."""
         loop = asyncio.get_running_loop()
         while not self._closing:
-            timeouts = [f.idle_s for f in self._followers.values() if f.idle_s is not None]
+            followers = [f for fs in self._followers.values() for f in fs]
+            timeouts = [f.idle_s for f in followers if f.idle_s is not None]
             await asyncio.sleep(max(0.01, min(0.5, *(t / 4 for t in timeouts))) if timeouts else 0.5)
             now = loop.time()
-            for f in list(self._followers.values()):
+            for f in followers:
                 if f.idle_s is not None and now - f.seen > f.idle_s:
                     f.idle_s = None  # told once
                     f.queue.put_nowait(TimeoutError())
@@ -116,7 +122,7 @@ class StreamHub:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            streams = {key: f.last_id for key, f in self._followers.items()}
+            streams = {key: min((f.last_id for f in fs), key=_position) for key, fs in self._followers.items()}
             try:
                 full = self._deliver(await self.redis.xread(streams, count=self.count), loop.time())
                 if not full:  # nothing left behind: wait for the next write
@@ -132,16 +138,33 @@ class StreamHub:
         full = False
         for raw_key, entries in xread_streams(resp):
             full = full or len(entries) >= self.count
-            follower = self._followers.get(raw_key.decode())
-            if follower is None:
+            followers = self._followers.get(raw_key.decode())
+            if not followers:
                 continue
-            put = follower.queue.put_nowait
-            for raw_id, raw in entries:
-                follower.last_id = raw_id.decode()
-                pairs = iter(raw)
-                fields = {k.decode(): v.decode(errors="replace") for k, v in zip(pairs, pairs, strict=True)}
-                put((follower.last_id, fields))
-                if is_end(fields):
-                    break
-            follower.seen = now
+            if len(followers) == 1:
+                _give(followers[0], entries, now)
+                continue
+            for follower in followers:  # each from past its own position
+                after = _position(follower.last_id)
+                _give(follower, [e for e in entries if _position(e[0].decode()) > after], now)
         return full
+
+
+def _give(follower: _Follower, entries: list, now: float) -> None:
+    if not entries:
+        return
+    put = follower.queue.put_nowait
+    for raw_id, raw in entries:
+        follower.last_id = raw_id.decode()
+        pairs = iter(raw)
+        fields = {k.decode(): v.decode(errors="replace") for k, v in zip(pairs, pairs, strict=True)}
+        put((follower.last_id, fields))
+        if is_end(fields):
+            break
+    follower.seen = now
+
+
+def _position(entry_id: str) -> tuple[int, int]:
+    """A stream entry id ("ms-seq") in the order Redis gives them."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)

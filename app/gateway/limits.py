@@ -1,6 +1,7 @@
-"""Limits at the gateway. Per client: concurrent requests and a request rate (token bucket); a
-client is its API key (or its address when the gateway has no keys), and exceeding either limit is a
-429 with Retry-After. Serving: the workers' max_total_tokens (ServingLimits), against which the
+"""Limits at the gateway. Per client: generations in progress (a request of n choices holds n) and a
+request rate (token bucket); a client is its API key (or its address when the gateway has no keys),
+and exceeding either limit is a 429 with Retry-After. With keys both are on by default (DEFAULT_*):
+a key shares the workers with others. Serving: the workers' max_total_tokens (ServingLimits), against which the
 contract refuses a max_new_tokens that leaves no room for a prompt (JobRequest.check_room), a 400
 here. Either way the request never reaches the queue.
 """
@@ -11,6 +12,14 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+DEFAULT_CONCURRENT_PER_KEY = 32  # a quarter of one worker's default CONCURRENCY (128)
+DEFAULT_RATE_PER_KEY = 10.0  # requests per second, in bursts of as many
+
+
+def resolved(value: float | str, keys: bool, default: float) -> float:
+    """A per-client limit setting: "auto" is `default` when the gateway has keys, else no limit (0)."""
+    return (default if keys else 0) if value == "auto" else float(value)
 
 
 @dataclass
@@ -47,8 +56,17 @@ class ClientLimits:
         self.inflight[client] = self.inflight.get(client, 0) + 1
         return None
 
-    def release(self, client: str) -> None:
-        n = self.inflight.get(client, 0) - 1
+    def hold(self, client: str, more: int) -> bool:
+        """`more` generations for a client already in (a request's other choices); False when that
+        passes its limit (then nothing is held)."""
+        n = self.inflight.get(client, 0) + more
+        if self.max_concurrent and n > self.max_concurrent:
+            return False
+        self.inflight[client] = n
+        return True
+
+    def release(self, client: str, held: int = 1) -> None:
+        n = self.inflight.get(client, 0) - held
         if n > 0:
             self.inflight[client] = n
         else:

@@ -46,10 +46,8 @@ def _common(body: dict, fields: set[str], served_model: str) -> dict:
         raise RequestError(field_name(unknown[0]), "unknown field")
     model = body.get("model")
     if model is not None and model != served_model:
-        raise RequestError("model", f"model {model!r} is not served here (serving {served_model!r})")
-    n = body.get("n")
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES):
-        raise RequestError("n", f"must be an integer between 1 and {MAX_CHOICES} (got {str(n)[:32]})")
+        raise RequestError("model", f"model {str(model)[:64]!r} is not served here (serving {served_model!r})")
+    choices(body)
     if not isinstance(body.get("stream", False), bool | None):
         raise RequestError("stream", "must be true or false")
     opts = body.get("stream_options")
@@ -112,30 +110,33 @@ def echoes(body: dict, prompts: list[str | None]) -> list[str] | None:
     return [prompt or "" for prompt in prompts[::n]]
 
 
-def completion_jobs(body: dict, served_model: str) -> list[dict]:
-    """One job per choice: each prompt of a list, `n` times (choice index = prompt index x n + i)."""
+def completion_jobs(body: dict, served_model: str) -> tuple[list[dict], int]:
+    """A job per prompt of a list, and `n` (choice index = prompt index x n + i; the gateway makes
+    the samples). Counts come first: a list of 300,000 prompts is refused before any is looked at."""
+    n = choices(body)
+    prompt = body.get("prompt")
+    several = isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list)
+    prompts = prompt if several else [prompt]
+    if len(prompts) * n > MAX_CHOICES:
+        name = "n" if n > 1 else "prompt"
+        raise RequestError(name, f"{len(prompts)} prompts x n={n} exceeds {MAX_CHOICES} choices per request")
+    return [completion_job({**body, "prompt": p}, served_model) for p in prompts], n
+
+
+def chat_jobs(body: dict, served_model: str) -> tuple[list[dict], int]:
+    return [chat_job(body, served_model)], choices(body)
+
+
+def choices(body: object) -> int:
+    """A body's `n`: samples per prompt."""
     if not isinstance(body, dict):
         raise RequestError("body", "must be a JSON object")
-    prompt = body.get("prompt")
-    several = isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt)
-    prompts = prompt if several else [prompt]
-    return _samples([completion_job({**body, "prompt": p}, served_model) for p in prompts], body)
-
-
-def chat_jobs(body: dict, served_model: str) -> list[dict]:
-    return _samples([chat_job(body, served_model)], body)
-
-
-def _samples(jobs: list[dict], body: dict) -> list[dict]:
-    """`n` jobs per prompt; with a seed, sample i draws with seed + i (reproducible, and distinct)."""
-    n = body.get("n") or 1
-    if len(jobs) * n > MAX_CHOICES:
-        raise RequestError("n", f"{len(jobs)} prompts x n={n} exceeds {MAX_CHOICES} choices per request")
-    out = []
-    for job in jobs:
-        for i in range(n):
-            out.append({**job, "seed": job["seed"] + i} if "seed" in job and i else job)
-    return out
+    n = body.get("n")
+    if n is None:
+        return 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+        raise RequestError("n", f"must be an integer between 1 and {MAX_CHOICES} (got {str(n)[:32]})")
+    return n
 
 
 def chat_job(body: dict, served_model: str) -> dict:

@@ -37,12 +37,13 @@ def register(app: FastAPI, gw: Gateway) -> None:
         }
 
     async def completions(request: Request, chat: bool) -> Response:
-        body = await gw.body(request)
-        asked = openai_api.chat_jobs(body, gw.model) if chat else openai_api.completion_jobs(body, gw.model)
-        jobs = gw.parse(request, asked, Door.CHAT if chat else Door.COMPLETIONS)
+        body = await gw.intake.body(request)
+        asked = openai_api.chat_jobs if chat else openai_api.completion_jobs
+        door, prompt = (Door.CHAT, "messages") if chat else (Door.COMPLETIONS, "prompt")
+        jobs = await gw.intake.parse(request, lambda: asked(body, gw.model), door, prompt)
         if len(jobs) > 1:
             return await several(request, body, jobs, chat)
-        job_id, last_id = await gw.start(request, jobs[0], bool(body.get("stream")))
+        job_id, last_id, owner = await gw.start(request, jobs[0], bool(body.get("stream")))
         if not body.get("stream"):
             result = await gw.result(request, job_id)
             echo = openai_api.echoes(body, [job.prompt for job in jobs])
@@ -64,13 +65,14 @@ def register(app: FastAPI, gw: Gateway) -> None:
                 return [sse(error_chunk(f), entry_id), sse("[DONE]")]
             return []
 
-        return await streams.stream(gw, job_id, chunks, last_id)
+        return await streams.stream(gw, job_id, chunks, last_id, owner=owner)
 
     async def several(request: Request, body: dict, jobs: list[JobRequest], chat: bool) -> Response:
         """Several choices (a list of prompts, or n > 1): one job each, answered together."""
         n = body.get("n") or 1
         if body.get("stream") and request.headers.get("last-event-id"):
             raise HTTPError(400, "Last-Event-ID resumes a single-choice stream", "Last-Event-ID")
+        gw.intake.hold(request, len(jobs))
         ids = list(await asyncio.gather(*(gw.submit(job) for job in jobs)))  # one group commit
         if not body.get("stream"):
             results = await gw.results(request, ids)

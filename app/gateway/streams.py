@@ -21,10 +21,11 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def stream(
-    gw: Gateway, job_id: str, chunks: Callable[[str, dict], list[str]], last_id: str = "0-0"
+    gw: Gateway, job_id: str, chunks: Callable[[str, dict], list[str]], last_id: str = "0-0", *, owner: bool = True
 ) -> StreamingResponse:
     """An SSE response whose event ids are `<job id>/<entry id>`; the first entry is read before
-    answering, so a job the worker refuses is still a 4xx."""
+    answering, so a job the worker refuses is still a 4xx. Only the `owner` (the request that started
+    the job) cancels it when its client goes away; a resumed stream follows it and nothing more."""
     batches = gw.batches(job_id, last_id)
     try:
         first = await anext(batches)
@@ -32,7 +33,8 @@ async def stream(
             first = first[1:] or await anext(batches)
     except BaseException:
         await batches.aclose()
-        gw.cancel_soon(job_id)
+        if owner:
+            gw.cancel_soon(job_id)
         raise
     if first[0][1].get("type") == EntryType.ERROR and last_id == "0-0":
         await batches.aclose()
@@ -58,7 +60,7 @@ async def stream(
         finally:
             gw.streams_open.dec()
             await batches.aclose()
-            if not finished:
+            if not finished and owner:
                 gw.cancel_soon(job_id)
 
     return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)

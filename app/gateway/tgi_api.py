@@ -99,12 +99,12 @@ def job_request(body: object, stream: bool = False) -> tuple[dict, dict]:
     return job, params
 
 
-def best_of_jobs(job: dict, best_of: int) -> list[dict]:
-    """`best_of` samples of the job, each with a seed of its own (reported in its details)."""
+def best_of_jobs(job: dict, best_of: int) -> tuple[list[dict], int]:
+    """The job and its number of samples (the gateway makes them: sample i draws with seed + i), each
+    with a seed of its own (reported in its details) when there are several."""
     if best_of == 1:
-        return [job]
-    base = random.getrandbits(62)
-    return [{**job, "seed": base + i} for i in range(best_of)]
+        return [job], 1
+    return [{**job, "seed": random.getrandbits(62)}], best_of
 
 
 def details(result: dict, tokens: list[dict], seed: int | None, top: list[list[dict]] | None = None) -> dict:

@@ -19,7 +19,8 @@ from .tgi_api import best_of_jobs, details, job_request, token, top_tokens
 def register(app: FastAPI, gw: Gateway) -> None:
     async def generate(request: Request, body: dict, *, as_list: bool) -> Response:
         job, params = job_request(body)
-        samples = gw.parse(request, best_of_jobs(job, params.get("best_of") or 1), Door.TGI)
+        samples = await gw.intake.parse(request, lambda: best_of_jobs(job, params.get("best_of") or 1), Door.TGI)
+        gw.intake.hold(request, len(samples))
         ids = list(await asyncio.gather(*(gw.submit(j) for j in samples)))  # one group commit
         collected: list[tuple[dict, list[dict], list[list[dict]]]] = []
 
@@ -64,8 +65,8 @@ def register(app: FastAPI, gw: Gateway) -> None:
 
     async def generate_stream(request: Request, body: dict) -> Response:
         job, params = job_request(body, stream=True)
-        (parsed,) = gw.parse(request, [job], Door.TGI)
-        job_id, last_id = await gw.start(request, parsed, True)
+        (parsed,) = await gw.intake.parse(request, lambda: ([job], 1), Door.TGI)
+        job_id, last_id, owner = await gw.start(request, parsed, True)
         want_details = bool(params.get("details"))
         prefix = job["prompt"] if params.get("return_full_text") else ""
 
@@ -89,20 +90,20 @@ def register(app: FastAPI, gw: Gateway) -> None:
                 return [sse({"error": f.get("message", "error"), "error_type": "generation"}, entry_id)]
             return []
 
-        return await streams.stream(gw, job_id, chunks, last_id)
+        return await streams.stream(gw, job_id, chunks, last_id, owner=owner)
 
     @app.post("/generate")
     async def generate_route(request: Request) -> Response:
-        return await generate(request, await gw.body(request), as_list=False)
+        return await generate(request, await gw.intake.body(request), as_list=False)
 
     @app.post("/generate_stream")
     async def generate_stream_route(request: Request) -> Response:
-        return await generate_stream(request, await gw.body(request))
+        return await generate_stream(request, await gw.intake.body(request))
 
     @app.post("/")
     async def compat_route(request: Request) -> Response:
         """Where the `text_generation` client posts: streaming or not by the body's `stream` flag."""
-        body = await gw.body(request)
+        body = await gw.intake.body(request)
         if isinstance(body, dict) and body.get("stream"):
             return await generate_stream(request, body)
         return await generate(request, body, as_list=True)

@@ -48,6 +48,7 @@ class WorkerHost:
         self.stopping = threading.Event()  # warm shutdown began: cancelled jobs go back to the queue
         self._stop = threading.Event()  # the loops end
         self.jobs = JobRunner(settings, engine, publisher, client, hostname, self.inflight, self.instance)
+        publisher.on_write_failed = engine.cancel  # a job whose stream Redis refuses stops generating
         self.consumer: Any = None  # Celery's consumer, once it exists (leases and prefetch)
         self.app: Any = None  # the Celery app (to re-send lost jobs)
         self.sweeper = LostJobSweeper(settings, client, hostname, lambda: self.app)

@@ -145,7 +145,7 @@ class JobRunner:
         self._begun[job_id] = attempt = int(attempt)
         submitted, crashes, resumed_from = started[0], int(started[1]), int(started[2])
         emitted, lps = self._emitted(job_id, spec, resumed_from)
-        request = engine_request(job_id, spec)
+        request = engine_request(job_id, spec, shared_prefix_cache=s.prefix_cache_shared)
         if self.publisher.metrics is not None and submitted:
             self.publisher.metrics.submitted(job_id, float(submitted))  # latency from submission
         request.emitted, request.emitted_logprobs = emitted.token_ids, lps
@@ -161,9 +161,12 @@ class JobRunner:
             final, written = None, True
         if not written:
             raise GenerationFailed(f"job {job_id}: its end entry was not written in {s.redis_retry_s} s")
+        why = self.publisher.failed.pop(job_id, None)
         if job_id in self.publisher.superseded:
             self.publisher.superseded.discard(job_id)
             raise Ignore(f"job {job_id} resumed on another worker while this one was taken for dead")
+        if why is not None:
+            raise GenerationFailed(why)  # its stream ended with an error entry (publisher._abort)
         if final is None or (final.reason == "cancelled" and final.error == SHUTDOWN):
             # Back to the queue, unless its client cancelled it during the grace period (a cancel the
             # engine missed: its pub/sub message can be lost while the cancel loop restarts).

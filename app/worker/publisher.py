@@ -16,6 +16,7 @@ from weightq.engine import Event, FinishEvent, TokenEvent
 from weightq.metrics import EngineMetrics
 from weightq.redis_conn import Durable, NotReplicated, is_transient
 from weightq.tasks.contract import (
+    ABORT,
     STREAM_TICK,
     WRITE_BATCH,
     EntryType,
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 
 
 SHUTDOWN = "worker shutdown"  # the error of requests the engine stops at a warm shutdown
+# A write Redis refuses for a reason a retry cannot fix (OOM under maxmemory, a script error) is tried
+# this many times, then its jobs end with an error entry (ABORT) and the writer goes on.
+REFUSED_TRIES = 3
 
 
 class StreamPublisher:
@@ -64,6 +68,11 @@ class StreamPublisher:
         self.on_superseded: Callable[[str], None] | None = None  # told each such job once (to stop it)
         self._seq = 0
         self._batch_script = client.register_script(WRITE_BATCH)
+        self._abort_script = client.register_script(ABORT)
+        # job id -> why its stream could not be written: its entries are dropped from then on, the
+        # job ends with an error (JobRunner reads this), and `on_write_failed` stops it in the engine
+        self.failed: dict[str, str] = {}
+        self.on_write_failed: Callable[[str], None] | None = None
 
     def __call__(self, event: Event, emitted: float | None = None) -> None:
         """`emitted`: the engine's stamp when it runs in a process of its own (else now)."""
@@ -102,6 +111,7 @@ class StreamPublisher:
                 return
             entries = self._entries(batch)
             self._seq += 1
+            refused = 0
             while entries:
                 try:
                     self._apply(self._seq, entries)
@@ -110,23 +120,52 @@ class StreamPublisher:
                     if is_transient(e):  # Redis restarting or failing over: one line, not a traceback
                         log.warning("writing %d stream entries: %s; retrying", len(entries), e)
                         time.sleep(0.1 if isinstance(e, NotReplicated) else 0.5)
-                    else:
-                        log.exception("writing %d stream entries failed; retrying", len(entries))
-                        time.sleep(0.5)
+                        continue
+                    refused += 1
+                    if refused >= REFUSED_TRIES:
+                        self._abort(entries, e)
+                        break
+                    log.warning("writing %d stream entries refused: %s; retrying", len(entries), e)
+                    time.sleep(0.5)
             for ev, _ in batch:
                 if isinstance(ev, FinishEvent) and (written := self._finals.pop(ev.request_id, None)):
                     written.set()
+
+    def _abort(self, entries: list[tuple], error: redis.RedisError) -> None:
+        """Redis keeps refusing this batch: its jobs end with an error entry (ABORT, which gets
+        through under maxmemory) and stop in the engine; the other jobs' streams go on."""
+        jobs = {job_of_stream(entry[0]) for entry in entries} - self.failed.keys() - self.superseded
+        message = f"the worker cannot write this job's stream: Redis refused it ({str(error)[:200]})"
+        log.error("%s: ending %d jobs with an error", message, len(jobs))
+        for job_id in jobs:
+            ended = 1
+            try:
+                keys = [job_key(job_id), stream_key(job_id)]
+                args = [self.maxlen, self.ttl_s, self.job_ttl_s, message, self.fences.get(job_id, "")]
+                ended = self.durable.run(self._abort_script, keys, args)
+            except redis.RedisError as e:
+                log.error("job %s: its error entry was refused too (%s)", job_id, e)
+            if ended == 2:  # fenced off: a later run owns the job, so it is not this run's to end
+                self._supersede(job_id)
+                continue
+            self.failed[job_id] = message
+            if self.on_write_failed is not None:
+                self.on_write_failed(job_id)
 
     def _entries(self, batch: list[tuple[Event | list[tuple], float]]) -> list[tuple]:
         """What to write for each event worth writing: (stream key, (index, text, token id, stamp))
         for a plain token, else (stream key, fields, the job's final state or None)."""
         out: list[tuple] = []
+        failed = self.failed
         for ev, emitted in batch:
             if isinstance(ev, list):  # a step's token tuples (tokens()), all with the step's stamp
                 ts = f"{emitted:.6f}"
                 for rid, index, token_id, text, logprobs in ev:
-                    out.append(_token_entry(rid, index, token_id, text, logprobs, ts))
+                    if not failed or rid not in failed:
+                        out.append(_token_entry(rid, index, token_id, text, logprobs, ts))
                 continue
+            if failed and ev.request_id in failed:
+                continue  # its stream ended with an error entry (_abort)
             if isinstance(ev, TokenEvent):
                 out.append(_token_entry(ev.request_id, ev.index, ev.token_id, ev.text, ev.logprobs, f"{emitted:.6f}"))
                 continue
@@ -179,12 +218,16 @@ class StreamPublisher:
                 args += [k, v]
         header = [self.maxlen, self.ttl_s, self.job_ttl_s, seq, len(fences) // 3, *fences]
         for key in self.durable.run(self._batch_script, keys, header + args):
-            job_id = (key.decode() if isinstance(key, bytes) else key).removeprefix(job_key(""))
-            if job_id not in self.superseded:
-                log.warning("job %s resumed on another worker: this run's writes are refused; stopping it", job_id)
-                self.superseded.add(job_id)
-                if self.on_superseded is not None:
-                    self.on_superseded(job_id)
+            self._supersede((key.decode() if isinstance(key, bytes) else key).removeprefix(job_key("")))
+
+    def _supersede(self, job_id: str) -> None:
+        """A later run of the job began elsewhere (this worker was taken for dead): this run's
+        writes are refused from now on, and it stops."""
+        if job_id not in self.superseded:
+            log.warning("job %s resumed on another worker: this run's writes are refused; stopping it", job_id)
+            self.superseded.add(job_id)
+            if self.on_superseded is not None:
+                self.on_superseded(job_id)
 
 
 def _token_entry(rid: str, index: int, token_id: int, text: str, logprobs, ts: str) -> tuple:

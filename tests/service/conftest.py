@@ -18,7 +18,8 @@ def stack(redis_url, tmp_path_factory):
     home = tmp_path_factory.mktemp("gateway")
     redis.Redis.from_url(redis_url).flushall()
     worker = WorkerProcess(redis_url, "gw@test", home, max_batch_weight=8192, concurrency=32)
-    gateway = GatewayProcess(redis_url, home, api_key=KEY)
+    # a key's default limits (10 requests/s, 32 generations: test_hostile.py) would pace these tests
+    gateway = GatewayProcess(redis_url, home, api_key=KEY, rate_limit_per_s=0, max_concurrent_per_client=0)
     worker.wait_ready()
     gateway.wait_ready()
 

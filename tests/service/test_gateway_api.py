@@ -10,6 +10,7 @@ import pytest
 import redis
 from text_generation.types import Grammar
 from weightq.tasks.contract import job_key
+from weightq.tasks.limits import OPEN_MAX_PRIORITY
 
 
 def _job_result(stack, response_id: str) -> dict:
@@ -146,8 +147,11 @@ def test_openai_usage_reports_prompt_tokens_found_in_the_prefix_cache(stack):
 
 def test_x_priority_sets_the_job_class_and_is_checked(stack):
     kw = {"model": "builtin:tiny", "prompt": "now", "max_tokens": 2}
-    done = stack.oai.completions.create(**kw, extra_headers={"X-Priority": "9"})
-    assert _request_of(stack, done.id)["priority"] == 9
+    done = stack.oai.completions.create(**kw, extra_headers={"X-Priority": "6"})
+    assert _request_of(stack, done.id)["priority"] == 6
+    # the top classes are granted per key (KEY_PRIORITIES), not taken: this key has no entry
+    capped = stack.oai.completions.create(**kw, extra_headers={"X-Priority": "9"})
+    assert _request_of(stack, capped.id)["priority"] == OPEN_MAX_PRIORITY == 7
     assert _request_of(stack, stack.oai.completions.create(**kw).id)["priority"] == 5  # the default class, named
     bad = httpx.post(stack.base + "/v1/completions", json=kw, headers={**stack.headers, "X-Priority": "12"}, timeout=30)
     assert bad.status_code == 400 and "X-Priority" in bad.text

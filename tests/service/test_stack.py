@@ -58,7 +58,7 @@ def test_up_serves_until_ctrl_c_then_stops_everything(tmp_path, stacks):
     port, flower_port = free_port(), free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "weightq.cli", "up", "--port", str(port), "--flower", "--flower-port", str(flower_port)],
-        cwd=ROOT, env=clean_env(tmp_path),
+        cwd=ROOT, env=clean_env(tmp_path) | {"FLOWER_UNAUTHENTICATED_API": "true"},  # on loopback, opted in
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     stacks.append(proc)
@@ -75,7 +75,7 @@ def test_up_serves_until_ctrl_c_then_stops_everything(tmp_path, stacks):
     r = httpx.post(base + "/v1/completions", json={"prompt": "hello", "max_tokens": 5}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
     flower = f"http://127.0.0.1:{flower_port}"
-    while True:  # Flower lists the worker (its API open here: no FLOWER_BASIC_AUTH in this environment)
+    while True:  # Flower lists the worker (its API opened on loopback: FLOWER_UNAUTHENTICATED_API)
         try:
             workers = httpx.get(flower + "/api/workers?refresh=1", timeout=10).json()
             if workers:

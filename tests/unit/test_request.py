@@ -15,6 +15,7 @@ from weightq.batcher import TOP_PRIORITY
 from weightq.tasks.limits import (
     DEFAULT_PRIORITY,
     DEFAULTS,
+    LOCAL_TENANT,
     MAX_LOGPROBS,
     MAX_PRIORITY,
     MIN_PRIORITY,
@@ -118,6 +119,22 @@ def test_room_for_a_prompt_within_the_serving_limit():
         parse_request({"prompt": "x"}, Door.TGI, max_total_tokens=64)
 
 
+def test_the_tenant_the_gateway_sets_is_the_one_the_batcher_shares_by():
+    from weightq.worker.to_engine import engine_request
+
+    job = parse_request({"prompt": "x", "tenant": "key-abc"})
+    assert parse_request(job.to_json()).tenant == "key-abc"  # the worker reads whose job it is
+    req = engine_request("j", job)
+    assert (req.tenant, req.cache_salt) == ("key-abc", "key-abc")  # fair share, and its own prefix cache
+    shared = engine_request("j", job, shared_prefix_cache=True)
+    assert (shared.tenant, shared.cache_salt) == ("key-abc", "")
+    assert engine_request("j", parse_request({"prompt": "x"})).tenant == LOCAL_TENANT
+    for bad in ("", "a b", "x" * 129, 7):
+        with pytest.raises(RequestError) as e:
+            parse_request({"prompt": "x", "tenant": bad})
+        assert e.value.field == "tenant"
+
+
 finite = st.floats(allow_nan=False, allow_infinity=False)
 prompts = st.one_of(
     st.fixed_dictionaries({"prompt": st.text(max_size=30)}),
@@ -149,6 +166,7 @@ options = st.fixed_dictionaries(
         "prompt_logprobs": st.integers(0, MAX_LOGPROBS),
         "priority": st.integers(MIN_PRIORITY, MAX_PRIORITY),
         "request_id": st.from_regex(r"[A-Za-z0-9._:-]{1,20}", fullmatch=True),
+        "tenant": st.from_regex(r"[A-Za-z0-9._:-]{1,20}", fullmatch=True),
         "guided": st.sampled_from([{"json_object": True}, {"regex": "[a-z]+"}, {"json_schema": {"type": "array"}}]),
     },
 )

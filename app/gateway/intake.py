@@ -1,0 +1,94 @@
+"""What a request asks of the gateway, read and checked before any job exists: its body (within a
+size and a deadline), its job requests (sizes first, then each prompt parsed once, on a thread when
+the body is large) and the concurrent generations its choices hold."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import Request
+from weightq.settings import Settings
+from weightq.tasks.limits import LOCAL_TENANT, Door
+from weightq.tasks.request import JobRequest, check_request_size, parse_request
+
+from .errors import HTTPError
+from .limits import ClientLimits, ServingLimits
+from .priority import caller_priority
+
+OFF_LOOP_BYTES = 64 * 1024  # bodies past this are decoded and checked on a thread, not the event loop
+# What a route asks for: its job requests (one per prompt, in the contract's names) and how many
+# samples of each (n; sample i of a seeded request draws with seed + i).
+Asked = tuple[list[dict], int]
+
+
+class Intake:
+    def __init__(
+        self, settings: Settings, serving: ServingLimits, key_classes: dict[str, int], limits: ClientLimits
+    ) -> None:
+        self.settings, self.serving, self.key_classes, self.limits = settings, serving, key_classes, limits
+
+    async def body(self, request: Request) -> Any:
+        """The request's JSON body, read within BODY_TIMEOUT_S (a body trickled a byte at a time holds
+        a connection no longer) and decoded off the event loop when it is large."""
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
+            raise HTTPError(413, f"request body of {declared[:20]} bytes exceeds {limit}", "body")
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(self.settings.body_timeout_s):
+                async for chunk in request.stream():
+                    chunks.append(chunk)
+                    size += len(chunk)
+                    if size > limit:
+                        raise HTTPError(413, f"request body exceeds {limit} bytes", "body")
+        except TimeoutError:
+            raise HTTPError(
+                408, f"request body not received within {self.settings.body_timeout_s} s", "body", "timeout"
+            ) from None
+        raw = b"".join(chunks)
+        request.state.body_bytes = size
+        try:
+            return await asyncio.to_thread(json.loads, raw) if size > OFF_LOOP_BYTES else json.loads(raw)
+        except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, absurd nesting
+            raise HTTPError(400, f"body is not valid JSON: {str(e)[:200]}", "body") from None
+
+    async def parse(
+        self, request: Request, asked: Callable[[], Asked], door: Door, prompt_field: str = "prompt"
+    ) -> list[JobRequest]:
+        """A route's job requests, parsed once per prompt with the door's defaults, at the caller's
+        priority class and tenant, and refused (by field) when no live worker's max_total_tokens leaves
+        room for them. Sizes are checked before any work per prompt or per token; a large body is
+        checked on a thread, so the event loop serves everyone else meanwhile. Choice i of prompt p
+        is at p x n + i."""
+        priority = caller_priority(request, self.key_classes, self.settings.open_max_priority)
+        limit = self.serving.max_total_tokens()
+        extra = {"tenant": getattr(request.state, "tenant", LOCAL_TENANT)}
+        if priority is not None:
+            extra["priority"] = priority
+
+        def work() -> list[JobRequest]:
+            jobs, n = asked()
+            check_request_size(jobs, n, prompt_field)
+            parsed = [parse_request(job | extra, door, max_total_tokens=limit) for job in jobs]
+            seeded = lambda job, i: job.with_seed(job.seed + i) if i and job.seed is not None else job  # noqa: E731
+            return [seeded(job, i) for job in parsed for i in range(n)]
+
+        if getattr(request.state, "body_bytes", 0) > OFF_LOOP_BYTES:
+            return await asyncio.to_thread(work)
+        return work()
+
+    def hold(self, request: Request, choices: int) -> None:
+        """A request of several choices holds that many of its client's concurrent generations."""
+        client = getattr(request.state, "limited_as", None)
+        if client is None or choices <= 1:
+            return
+        most = self.limits.max_concurrent
+        if most and choices > most:
+            raise HTTPError(400, f"{choices} choices exceeds this client's {most} concurrent generations", "n")
+        if not self.limits.hold(client, choices - 1):
+            raise HTTPError(429, "too many generations in progress; retry in 1 s", None, "rate_limit_error", "1")
+        request.state.held = choices
