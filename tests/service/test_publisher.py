@@ -78,3 +78,24 @@ def test_writes_of_a_run_that_another_run_replaced_are_refused(service):
         assert told == ["old"] and pub.superseded == {"old"}
     finally:
         pub.close()
+
+
+def test_an_abort_is_fenced_too(service):
+    """A batch Redis keeps refusing ends its jobs with an error entry (ABORT), except a job a later run
+    owns: that run is left alone, and this one is stopped as superseded."""
+    r = redis.Redis.from_url(service.url)
+    pub = StreamPublisher(r, maxlen=1000, ttl_s=600)
+    told, failed = [], []
+    pub.on_superseded, pub.on_write_failed = told.append, failed.append
+    try:
+        r.hset(job_key("old-a"), mapping={"attempt": 2, "state": "running"})
+        r.hset(job_key("mine-a"), mapping={"attempt": 1, "state": "running"})
+        pub.fences.update({"old-a": 1, "mine-a": 1})
+        entries = pub._entries([(TokenEvent("old-a", 3, 5, "x"), 1.0), (TokenEvent("mine-a", 0, 5, "y"), 1.0)])
+        pub._abort(entries, redis.ResponseError("OOM command not allowed"))
+        assert r.xrange(stream_key("old-a")) == [] and r.hget(job_key("old-a"), "state") == b"running"
+        assert told == ["old-a"] and "old-a" not in pub.failed
+        assert [f["type"] for f in _fields(r, "mine-a")] == ["error"] and r.hget(job_key("mine-a"), "state") == b"done"
+        assert failed == ["mine-a"] and "refused" in pub.failed["mine-a"]
+    finally:
+        pub.close()
