@@ -52,7 +52,7 @@ class Settings(BaseSettings):
     # cached_tokens says nothing of others'); on: all tenants share it (one trusted organisation).
     prefix_cache_shared: bool = False
     # Structured output: a grammar that takes longer to compile (or more memory) is refused. Trial
-    # compiles run in a helper process that is killed past the deadline (engine/grammar_trial.py).
+    # compiles run in a helper process that is killed past the deadline (engine/sampling/grammar_trial.py).
     grammar_compile_timeout_s: float = 10.0
     grammar_compile_memory_mb: int = 2048
     sim_step_cost: str = ""  # RUNNER=simulated (a measuring tool): "fixed_s,per_token_s,per_kv_token_s"

@@ -11,7 +11,7 @@
 - grammar_compile_s: xgrammar's compile time of JSON schemas nested to the contract's depth limit
   (MAX_GUIDED_DEPTH) and past it, for the figures in tasks/limits.py.
 - grammar_trial_s: a schema that compiles for minutes is refused by the trial process within its
-  deadline (engine/grammar_trial.py), while another request's tokens keep coming.
+  deadline (engine/sampling/grammar_trial.py), while another request's tokens keep coming.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def nested_schema(levels: int) -> str:
 
 
 def grammar_compile(engine: Engine) -> dict:
-    from weightq.engine.grammar import _xgr
+    from weightq.engine.sampling.grammar import _xgr
 
     xgr = _xgr()
     info = xgr.TokenizerInfo.from_huggingface(engine.tokenizer, vocab_size=engine.logits_width)

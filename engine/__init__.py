@@ -16,7 +16,7 @@ from .builder import serving_threads
 from .config import EngineConfig
 from .handle import Handle
 from .heap import freeze_startup_heap
-from .loop import Engine
+from .loop.engine import Engine
 from .model import LoadedModel, ModelNotFound, load_model
 from .params import Event, FinishEvent, GenerationRequest, InvalidRequest, SamplingParams, TokenEvent
 from .process import AnyEngine, EngineDied, EngineProcess, own_process

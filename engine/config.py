@@ -64,7 +64,7 @@ class EngineConfig:
     # each window a mask over it; the memory of a model of full layers, for comparison: bench.families)
     window_rings: bool = True
     # structured output: a spec not compiled before is compiled first in a trial process and refused
-    # past this many seconds or MiB (engine/grammar_trial.py; 0 s: no trial, every compile trusted)
+    # past this many seconds or MiB (engine/sampling/grammar_trial.py; 0 s: no trial, every compile trusted)
     grammar_timeout_s: float = 10.0
     grammar_memory_mb: int = 2048
     check_invariants: bool = False  # tests: verify the KV pool and the budget after every step

@@ -7,8 +7,8 @@ from typing import Any
 
 from weightq.batcher import Request
 
-from .detokenizer import IncrementalDetokenizer, StopMatcher
 from .params import FinishReason, GenerationRequest, SamplingParams, TokenLogprobs
+from .text.detokenizer import IncrementalDetokenizer, StopMatcher
 
 
 @dataclass(slots=True, eq=False)

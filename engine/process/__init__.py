@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from ..config import EngineConfig
-from ..loop import Engine
+from ..loop.engine import Engine
 from .parent import EngineDied, EngineProcess
 
 __all__ = ["AnyEngine", "EngineDied", "EngineProcess", "own_process"]

@@ -12,7 +12,7 @@ from multiprocessing.connection import Connection
 
 from ..config import EngineConfig
 from ..heap import freeze_startup_heap
-from ..loop import Engine
+from ..loop.engine import Engine
 from ..params import Event, FinishEvent, TokenEvent
 from ..sink import TokenTuple
 from .messages import Cancel, Failed, Message, Ready, Step, Stop, Stopped, Submit

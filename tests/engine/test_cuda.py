@@ -83,7 +83,7 @@ def test_padded_runner_on_cuda_matches_generate_and_measures_its_budget():
 @cuda
 def test_the_cuda_runner_overlaps_the_host_work_and_gives_the_same_tokens():
     """On CUDA forward() returns once the kernels are queued: the last step's text and events are made
-    while they run (Engine._finish_deferred), and the device time comes from CUDA events."""
+    while they run (StepOutputs.finish_deferred), and the device time comes from CUDA events."""
     config = EngineConfig(
         device="cuda", dtype="float32", attention="sdpa", max_batch_weight=2048, check_invariants=True
     )

@@ -120,7 +120,7 @@ def test_stop_sequences_end_generation_and_are_excluded(tiny_loaded):
 
 
 def test_deltas_are_whole_characters_and_concatenate_to_the_text(tiny_loaded):
-    from weightq.engine.detokenizer import IncrementalDetokenizer
+    from weightq.engine.text.detokenizer import IncrementalDetokenizer
 
     tok = tiny_loaded.tokenizer
     text = "Café, Größe: 日本語のテキスト 🎉🚀 and привет."

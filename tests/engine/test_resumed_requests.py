@@ -9,8 +9,8 @@ import json
 
 import pytest
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from weightq.engine.grammar import available
 from weightq.engine.params import FinishEvent, TokenEvent
+from weightq.engine.sampling.grammar import available
 from weightq.engine.sink import as_sink
 
 PROMPTS = ["The scheduler admits", "Once upon a time", "A worker crashed and", "Tokens stream back"]
@@ -136,7 +136,7 @@ def test_the_padded_runner_resumes_too(tiny_loaded):
 
 
 def test_an_asynchronous_runner_resumes_too():
-    """The simulated device defers a step's text and events (engine/outputs.py: _defer): the same."""
+    """The simulated device defers a step's text and events (engine/loop/outputs.py: defer): the same."""
     engine = Engine(EngineConfig(runner="simulated", max_batch_weight=4096, sim_step_cost="0.0001,0,0"))
     reqs = [
         GenerationRequest(f"{name}-{i}", prompt=prompt, params=VARIANTS[name])

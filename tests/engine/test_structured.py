@@ -9,7 +9,7 @@ import re
 import jsonschema
 import pytest
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from weightq.engine.grammar import available
+from weightq.engine.sampling.grammar import available
 
 pytestmark = pytest.mark.skipif(not available(), reason="xgrammar is not installed (make installs it)")
 

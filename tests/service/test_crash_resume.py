@@ -16,7 +16,7 @@ import redis
 from weightq.bench.resume import openai_text, read_sse
 from weightq.cli.processes import GatewayProcess
 from weightq.client import JobFailed
-from weightq.engine.grammar import available
+from weightq.engine.sampling.grammar import available
 from weightq.tasks.contract import LEASES, emitted_tokens, engine_jobs_key, held_key, job_key, stream_key
 from weightq.transport import priority_queues, restore_unacked
 

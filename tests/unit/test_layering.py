@@ -246,3 +246,29 @@ def test_the_job_contract_is_spelled_once():
                 if spelled.search(line):
                     offenders.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
     assert offenders == []
+
+
+MAX_CLASS_LINES = 250
+MAX_FILE_LINES = 350
+
+
+def test_engine_and_batcher_have_no_class_or_file_too_long_to_read():
+    """A class over 250 lines or a file over 350 is one object doing several jobs: split it by role,
+    by composition (a class built on two or more of our own classes is mixins: their lines are its)."""
+    paths = sorted(p for folder in ("engine", "batcher") for p in (ROOT / folder).rglob("*.py"))
+    trees = {p: ast.parse(p.read_text()) for p in paths}
+    ours = {n.name for t in trees.values() for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
+    long = []
+    for path, tree in trees.items():
+        name = path.relative_to(ROOT)
+        if (n := len(path.read_text().splitlines())) > MAX_FILE_LINES:
+            long.append(f"{name}: {n} lines")
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            local = [b.id for b in node.bases if isinstance(b, ast.Name) and b.id in ours]
+            if len(local) > 1:
+                long.append(f"{name}: {node.name} is built from mixins {local}")
+            if (n := node.end_lineno - node.lineno + 1) > MAX_CLASS_LINES:
+                long.append(f"{name}: class {node.name} is {n} lines")
+    assert not long, long

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .params import InvalidRequest
+from ..params import InvalidRequest
 
 CACHE_SIZE = 256  # compiled grammars kept (a schema compiles in ~1-100 ms) ...
 CACHE_BYTES = 256 * 2**20  # ... and at most this much of them (xgrammar's own cache is off)

@@ -1,26 +1,27 @@
 """The output side of an engine step: sampled tokens become text, events and finishes.
 
-A synchronous runner accepts a step's tokens at once (`_accept_all`); an asynchronous one (CUDA, the
+A synchronous runner accepts a step's tokens at once (`accept_all`); an asynchronous one (CUDA, the
 simulated device) records them and retires the requests they end at once, so the next plan is exact,
-and leaves their text and events (`Deferred`) to `_finish_deferred`, which runs while the device
+and leaves their text and events (`Deferred`) to `finish_deferred`, which runs while the device
 computes the next step. Log-probabilities get their tokens' texts here, in one cached pass per step.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from .detokenizer import TokenTexts, push_many
-from .params import FinishEvent, FinishReason, InvalidRequest, TokenEvent, TokenLogprobs
-from .sampling import RowLogprobs
-from .sequence import Sequence
+from ..params import Event, FinishEvent, FinishReason, InvalidRequest, TokenEvent, TokenLogprobs
+from ..sampling.sampler import RowLogprobs
+from ..sequence import Sequence
+from ..text.detokenizer import TokenTexts, push_many
 
 if TYPE_CHECKING:
-    from .model import LoadedModel
+    from ..model import LoadedModel
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions whose log_softmax is taken at once
 
@@ -38,14 +39,25 @@ class Deferred:
 
 
 class StepOutputs:
-    """Engine's output methods, a mixin sharing the engine's state; they call its `_emit` (events to
-    the sink and handles), `_retire` (out of the batcher and the pool) and `_finish` (both)."""
+    """The engine's output side, composed into it: `emit` sends an event to the sink and the
+    request's handle, `retire` takes a request out of the batcher and the pool, `finish` does both
+    (the engine's, so a finish anywhere goes the same way)."""
 
-    lm: LoadedModel
-    token_texts: TokenTexts
-    _deferred: list[list[Deferred]]
+    def __init__(
+        self,
+        lm: LoadedModel,
+        token_texts: TokenTexts,
+        emit: Callable[[Event], None],
+        retire: Callable[[Sequence, FinishReason], None],
+        finish: Callable[..., None],
+    ) -> None:
+        self.lm = lm
+        self.token_texts = token_texts
+        self._emit, self._retire, self._finish = emit, retire, finish
+        # An asynchronous device's step leaves its text and events here, done during the next forward.
+        self.deferred: list[list[Deferred]] = []
 
-    def _logprobs(self, tokens: list[int], rows: list[RowLogprobs | None]) -> list[TokenLogprobs | None]:
+    def logprobs(self, tokens: list[int], rows: list[RowLogprobs | None]) -> list[TokenLogprobs | None]:
         """The sampler's figures with each token's text (one cached decode pass for the step)."""
         ids = [t for t, r in zip(tokens, rows, strict=True) if r is not None]
         for r in rows:
@@ -60,7 +72,7 @@ class StepOutputs:
                 out[i] = TokenLogprobs(chosen[i], r.logprob, r.top_ids, top, r.top_logprobs)
         return out
 
-    def _prompt_logprobs(self, rows: list[tuple[Sequence, int, torch.Tensor]]) -> dict[str, str]:
+    def prompt_logprobs(self, rows: list[tuple[Sequence, int, torch.Tensor]]) -> dict[str, str]:
         """Log-probabilities of prompt tokens from a step's prompt rows (row i of a chunk starting at
         position p predicts token p + i + 1), PROMPT_LOGPROB_ROWS rows at a time (the prefill cap's
         rows over a large vocabulary are gigabytes at once). Returns the sequences whose rows failed
@@ -99,7 +111,26 @@ class StepOutputs:
             tops = tuple(next(texts) for _ in ids[j])
             have.append(TokenLogprobs(tok_text, chosen[j], tuple(ids[j]), tops, tuple(vals[j])))
 
-    def _accept_all(
+    def drop_failed(
+        self, seqs: dict[str, Sequence], emitted: list[Sequence], tokens: list[int], rows: list | None, failed: dict
+    ) -> tuple:
+        """After sampling: each guided sequence's matcher takes its token before the next step fills
+        its mask, and one whose token the grammar does not take (its mask left nothing to draw) fails,
+        never going on with text outside the grammar; the sequences in `failed` (id -> why: their
+        prompt log-probabilities) fail too. Failures end with an error; returns the step's
+        (sequences, tokens, logprob rows) that go on."""
+        for seq, tok in zip(emitted, tokens, strict=True):
+            if seq.grammar is not None and not seq.grammar.accept(tok):
+                failed[seq.id] = "guided: the grammar cannot go on with any token of this model's vocabulary"
+        if not failed:
+            return emitted, tokens, rows
+        for rid, message in failed.items():
+            if rid in seqs:
+                self._finish(seqs[rid], "error", message)
+        keep = [i for i, seq in enumerate(emitted) if seq.id not in failed]
+        return [emitted[i] for i in keep], [tokens[i] for i in keep], None if rows is None else [rows[i] for i in keep]
+
+    def accept_all(
         self, emitted: list[Sequence], tokens: list[int], done: float, lps: list[TokenLogprobs | None]
     ) -> None:
         """Detokenize and report a step's tokens now: one detokenizer pass for every token that has
@@ -113,9 +144,9 @@ class StepOutputs:
         for seq, tok, delta, lp in zip(emitted, tokens, deltas, lps, strict=True):
             self._accept(seq, tok, delta, done, lp)
 
-    def _defer(self, emitted: list[Sequence], tokens: list[int], done: float, lps: list[TokenLogprobs | None]) -> None:
+    def defer(self, emitted: list[Sequence], tokens: list[int], done: float, lps: list[TokenLogprobs | None]) -> None:
         """An asynchronous device: record the step's tokens and retire the requests they end (so the
-        next step's plan is exact), and leave their text and events to `_finish_deferred`, which runs
+        next step's plan is exact), and leave their text and events to `finish_deferred`, which runs
         while the device computes the next step. Requests with stop strings need their text to know
         whether they end: they are detokenized now."""
         eos = self.lm.eos_token_ids
@@ -139,14 +170,14 @@ class StepOutputs:
                 self._retire(seq, reason)
             later.append(Deferred(seq, tok, req.generated - 1, reason is None or reason == "length", reason, lp))
         if now_seqs:
-            self._accept_all(now_seqs, now_tokens, done, now_lps)
+            self.accept_all(now_seqs, now_tokens, done, now_lps)
         if later:
-            self._deferred.append(later)
+            self.deferred.append(later)
 
-    def _finish_deferred(self) -> None:
+    def finish_deferred(self) -> None:
         """Text and events of deferred steps, in order (before any other event of their requests)."""
-        while self._deferred:
-            batch = self._deferred.pop(0)
+        while self.deferred:
+            batch = self.deferred.pop(0)
             texting = [d for d in batch if d.has_text]
             pieces = iter(push_many([d.seq.detok for d in texting], [d.token for d in texting]))
             for d in batch:
@@ -157,7 +188,7 @@ class StepOutputs:
                 seq.text += piece
                 self._emit(TokenEvent(seq.id, d.index, d.token, piece, d.logprobs))
                 if d.reason is not None:
-                    self._emit(self._finish_event(seq, d.reason))
+                    self._emit(self.finish_event(seq, d.reason))
 
     def _accept(
         self, seq: Sequence, token: int, delta: str | None, now: float, lp: TokenLogprobs | None = None
@@ -169,7 +200,7 @@ class StepOutputs:
         if reason is not None:
             self._finish(seq, reason)
 
-    def _finish_event(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> FinishEvent:
+    def finish_event(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> FinishEvent:
         now = time.monotonic()
         out = seq.output_ids
         return FinishEvent(

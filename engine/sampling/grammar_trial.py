@@ -7,7 +7,7 @@ past `timeout_s` kills the child (a fresh one starts for the next spec) and the 
 and so is one that runs out of memory. A spec that passes compiles again in the engine, where it is
 known to take about as long (the engine caches it; the trial keeps nothing).
 
-The child is `python -m weightq.engine.grammar_trial`, a plain subprocess (the engine's own process is
+The child is `python -m weightq.engine.sampling.grammar_trial`, a plain subprocess (the engine's own process is
 a daemonic multiprocessing child, which may not have children of its own), talking JSON lines over
 its stdin and stdout; it exits when its stdin closes, so it never outlives the engine.
 """
@@ -66,7 +66,7 @@ class GrammarTrial:
             return self._proc
         self._kill()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "weightq.engine.grammar_trial", str(self.memory_mb)],
+            [sys.executable, "-m", "weightq.engine.sampling.grammar_trial", str(self.memory_mb)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             bufsize=0,
@@ -114,7 +114,7 @@ def _child(memory_mb: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # its parent ends it
     out = os.fdopen(os.dup(1), "wb", 0)
     os.dup2(2, 1)  # whatever xgrammar prints goes to stderr, not into the replies
-    from weightq.engine.grammar import GrammarError, _xgr, compile_spec
+    from weightq.engine.sampling.grammar import GrammarError, _xgr, compile_spec
 
     xgr = _xgr()
     info = xgr.TokenizerInfo.deserialize_json(sys.stdin.buffer.readline().decode())

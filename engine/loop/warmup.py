@@ -11,10 +11,10 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from .params import GenerationRequest, SamplingParams
+from ..params import GenerationRequest, SamplingParams
 
 if TYPE_CHECKING:
-    from .loop import Engine
+    from .engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,6 @@ def warm_up(engine: Engine) -> float:
             ]
         )
     elapsed = time.perf_counter() - t0
-    for key, value in engine.counters.items():
-        engine.counters[key] = type(value)()
+    engine.meter.reset()
     log.info("compiled and warmed up in %.1f s", elapsed)
     return elapsed

@@ -19,8 +19,8 @@ from typing import Any, Protocol
 
 import torch
 
+from ..params import GREEDY_BELOW, SamplingParams
 from . import grammar
-from .params import GREEDY_BELOW, SamplingParams
 
 
 class Sampled(Protocol):

@@ -3,7 +3,7 @@ rendered with the tokenizer's template. Problems are InvalidRequest naming the f
 
 from __future__ import annotations
 
-from .params import GenerationRequest, InvalidRequest
+from ..params import GenerationRequest, InvalidRequest
 
 
 def render_chat(tokenizer, model: str, messages: list[dict[str, str]]) -> str:

@@ -1,0 +1,271 @@
+"""The engine: continuous decoding, one step at a time, on its own thread.
+
+submit() and cancel() may be called from any thread; they only queue work (intake.py). The engine
+thread drains that queue, asks the batcher for a plan, runs one packed forward pass, samples, and
+hands the tokens to the output side (outputs.py: text, events, finishes), whose events go to the
+caller's sink and to per-request handles.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+from weightq.batcher import RequestRejected
+
+from ..builder import build, on_fresh_thread
+from ..config import EngineConfig
+from ..handle import Handle
+from ..model import LoadedModel
+from ..params import Event, FinishEvent, FinishReason, GenerationRequest
+from ..runner.base import Work
+from ..sampling.grammar import Grammars
+from ..sampling.sampler import sample
+from ..sequence import Sequence
+from ..sink import Sink, as_sink
+from ..text.detokenizer import TokenTexts
+from ..text.prompt import render_chat
+from .intake import Intake, error_event, stopped_event
+from .isolate import isolate
+from .outputs import StepOutputs
+from .prepare import Preparer
+from .stats import Meter, check_invariants, engine_stats
+from .warmup import warm_up
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """Built from its config (builder.py: backend, model, runner, batcher), composed of the caller
+    side (`intake`), the output side (`outputs`) and the counters (`meter`); it owns the running
+    sequences and the loop."""
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        sink: Sink | Callable[[Event], None] | None = None,
+        *,
+        loaded: LoadedModel | None = None,
+    ) -> None:
+        self.config = cfg = config or EngineConfig()
+        parts = on_fresh_thread(lambda: build(cfg, loaded))  # see on_fresh_thread: keeps torch fast on our thread
+        self.backend, self.lm, self.runner, self.batcher = parts.backend, parts.lm, parts.runner, parts.batcher
+        self.kv_derivation, self.max_input_length = parts.kv_derivation, parts.max_input_length
+        self.tokenizer = self.lm.tokenizer
+        self.token_texts = TokenTexts(self.tokenizer)
+        head = self.lm.model.get_output_embeddings()
+        self.logits_width = int(head.weight.shape[0]) if head is not None else len(self.tokenizer)
+        self.grammars = Grammars(
+            self.tokenizer, self.logits_width, self.token_texts,
+            timeout_s=cfg.grammar_timeout_s, memory_mb=cfg.grammar_memory_mb,
+        )  # fmt: skip
+        self.sink = as_sink(sink)
+        self.seqs: dict[str, Sequence] = {}
+        self.outputs = StepOutputs(self.lm, self.token_texts, self._emit, self._retire, self._finish)
+        prepare = Preparer(
+            self.lm, cfg.model, self.runner, self.batcher, self.grammars,
+            self.logits_width, self.max_input_length, self.outputs.finish_event,
+        )  # fmt: skip
+        self.intake = Intake(prepare, self.grammars)
+        self.meter = Meter()
+        self.counters = self.meter.counters
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._generator = torch.Generator().manual_seed(cfg.seed)
+        # A compiled runner compiles its shapes now, before anyone is served (on a fresh thread: see above).
+        self.warmup_s = on_fresh_thread(lambda: warm_up(self)) if self.runner.compiled else 0.0
+
+    # ----- caller side (any thread) ---------------------------------------------------------------
+    def submit(self, request: GenerationRequest, *, stream: bool = False) -> Handle:
+        """Queue a request. Problems with it never raise here: they finish its handle with an error.
+        A grammar not compiled before is compiled on the grammar thread: this returns at once."""
+        return self.intake.submit(request, stream)
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a queued or running request; its blocks are free before the next step."""
+        return self.intake.cancel(request_id)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._stopping.clear()
+            self._thread = threading.Thread(target=self._run, name="weightq-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, reason: FinishReason = "cancelled", message: str | None = None) -> None:
+        """Stop the loop; every request still queued or running finishes with `reason`."""
+        self._stopping.set()
+        self.intake.wake()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.outputs.finish_deferred()
+        self._drain()
+        for seq in list(self.seqs.values()):
+            self._finish(seq, reason, message)
+        for rid in self.intake.end_pending():  # requests whose grammar is still compiling end too
+            self._emit(stopped_event(rid, reason, message))
+        self._flush_sink()
+
+    def generate(self, requests: list[GenerationRequest]) -> list[FinishEvent]:
+        """Run requests to completion on the calling thread (offline use; the loop must not run)."""
+        if self._thread is not None:
+            raise RuntimeError("generate() runs the engine on the calling thread: stop() the loop first")
+        handles = [self.submit(r) for r in requests]
+        intake = self.intake
+        while any(h.final is None for h in handles):
+            idle = not self.step() and not intake.queued()
+            if idle and intake.pending:  # a grammar compiling on the grammar thread
+                intake.wait_prepared(0.05)
+            elif idle and any(h.final is None for h in handles):  # a refused request finishes in the idle step
+                raise RuntimeError("engine idle with unfinished requests")
+        return [h.final for h in handles]  # type: ignore[misc]
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The prompt text of a chat: the tokenizer's chat template with the assistant's turn opened."""
+        return render_chat(self.tokenizer, self.config.model, messages)
+
+    def idle(self) -> bool:
+        """Nothing running, waiting or submitted (and every event out)."""
+        b, intake = self.batcher, self.intake
+        return not b.running and not b.waiting and not intake.inbox and not self.outputs.deferred and not intake.pending
+
+    def reset_prefix_cache(self) -> int:
+        """Drop the cached prompt blocks no request holds (benchmarks' cold starts); returns how many."""
+        ledger = self.batcher.ledger
+        return ledger.drop_cache() if ledger is not None else 0
+
+    def room_for(self) -> int:
+        """How many more typical requests a worker may take now (Batcher.room_for)."""
+        return self.batcher.room_for()
+
+    def stats(self) -> dict:
+        return engine_stats(self)
+
+    # ----- engine thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                worked = self.step()
+            except Exception as e:  # a failed step fails its requests, never the loop
+                log.exception("engine step failed")
+                for seq in list(self.seqs.values()):
+                    if seq.sched.id in self.batcher.running:
+                        self._finish(seq, "error", f"engine step failed: {e!r}")
+                continue
+            if not worked:
+                self.intake.wait(self._stopping, 0.05)
+
+    def step(self) -> bool:
+        """One scheduling decision and one forward pass; False when there was nothing to run.
+        The sink is flushed after every step (one write batch per step), and on an asynchronous
+        device also once the previous step's events are out, mid-step."""
+        try:
+            return self._step()
+        finally:
+            self.meter.occupancy(bool(self.seqs), time.perf_counter())
+            self._flush_sink()
+
+    def _flush_sink(self) -> None:
+        if self.sink is not None:
+            self.sink.flush()
+
+    def _step(self) -> bool:
+        t_start = time.perf_counter()
+        self._drain()
+        self.meter.occupancy(bool(self.seqs), t_start)
+        now = time.monotonic()
+        plan = self.batcher.schedule(now)
+        runner, outputs, seqs = self.runner, self.outputs, self.seqs
+        for req in plan.preempted:
+            runner.release(seqs[req.id])
+        if not plan:
+            outputs.finish_deferred()
+            return False
+        for req in plan.admitted:
+            seq = seqs[req.id]
+            if not seq.admitted_s:
+                seq.admitted_s = now
+        prefill: list[Work] = []
+        for req, n in plan.prefill:
+            seq = seqs[req.id]
+            runner.ensure(seq, req.prefilled + n)
+            prefill.append(Work(seq, req.prefilled, n, req.prefilled + n == req.context_len))
+        decode: list[Work] = []
+        for req in plan.decode:
+            seq = seqs[req.id]
+            runner.ensure(seq, req.prefilled + 1)
+            decode.append(Work(seq, req.prefilled, 1, True))
+        model_before = runner.model_s
+        try:
+            logits = runner.forward(prefill, decode)
+        except Exception as e:
+            logits = isolate(runner, self.batcher, self._finish, prefill, decode, e)
+        if outputs.deferred:
+            # The last step's text and events, while an asynchronous device computes, and out at once:
+            # held to the end of this step they waited a whole step more (their emit stamp hid it).
+            outputs.finish_deferred()
+            self._flush_sink()
+        runner.synchronize()
+        failed = outputs.prompt_logprobs(runner.prompt_rows) if runner.prompt_logprobs and runner.prompt_rows else {}
+        fwd = runner.model_s - model_before
+        emitted = [seqs[r.id] for r in self.batcher.complete(plan)]
+        tokens, rows = sample(logits, emitted, self._generator, self.lm.eos_token_ids) if emitted else ([], None)
+        emitted, tokens, rows = outputs.drop_failed(seqs, emitted, tokens, rows, failed)
+        lps = outputs.logprobs(tokens, rows) if rows is not None else [None] * len(tokens)
+        done = time.monotonic()
+        if runner.asynchronous:
+            outputs.defer(emitted, tokens, done, lps)
+        else:
+            outputs.accept_all(emitted, tokens, done, lps)
+        if self.batcher.batch_weight() > self.batcher.budget:
+            self.counters["overflow_steps"] += 1
+        self.meter.count(plan.prefill_tokens, len(plan.decode), fwd, time.perf_counter() - t_start)
+        if self.config.check_invariants:
+            check_invariants(self)
+        return True
+
+    def _drain(self) -> None:
+        items, cancels = self.intake.take()
+        for item in items:
+            if isinstance(item, FinishEvent):
+                self._emit(item)
+                continue
+            try:
+                self.batcher.submit(item.sched)
+            except RequestRejected as e:
+                self._emit(error_event(item.id, str(e), item.prompt_len, item.submitted_s))
+                continue
+            self.seqs[item.id] = item
+        for rid in cancels:
+            seq = self.seqs.get(rid)
+            if seq is not None:
+                self._finish(seq, "cancelled")
+
+    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        self.outputs.finish_deferred()  # its earlier tokens' events go first
+        self._retire(seq, reason)
+        self._emit(self.outputs.finish_event(seq, reason, error))
+
+    def _retire(self, seq: Sequence, reason: FinishReason) -> None:
+        """The request leaves the batcher and its blocks go back to the pool."""
+        rid = seq.id
+        if rid in self.batcher.running and reason in ("eos", "stop", "length"):
+            self.batcher.finish(rid)
+        else:
+            self.batcher.cancel(rid)
+        self.runner.release(seq)
+        del self.seqs[rid]
+        self.counters["finished"] += 1
+
+    def _emit(self, event: Event) -> None:
+        if self.sink is not None:
+            try:
+                self.sink(event)
+            except Exception:
+                log.exception("event sink failed for %s", event.request_id)
+        handle = self.intake.handle_of(event)
+        if handle is not None:
+            handle._put(event)

@@ -1,0 +1,102 @@
+"""The engine's counters and rates (Meter), what stats() reports, and the invariant checks of tests."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class Meter:
+    """Steps, tokens and seconds since the engine started (or its warm-up ended), the tokens/s of
+    the last second or so, and the wall time it held requests (device busy = forward_s / occupied_s)."""
+
+    def __init__(self) -> None:
+        self.counters = {
+            "steps": 0,
+            "prefill_tokens": 0,
+            "decode_tokens": 0,
+            "finished": 0,
+            "forward_s": 0.0,
+            "step_s": 0.0,
+            "overflow_steps": 0,  # steps whose batch held more KV tokens than the budget (must stay 0)
+        }
+        self._rate = {"t": time.monotonic(), "prefill": 0, "decode": 0, "prefill_tok_s": 0.0, "decode_tok_s": 0.0}
+        self._occupied_s = 0.0
+        self._occupied_since: float | None = None
+
+    def reset(self) -> None:
+        for key, value in self.counters.items():
+            self.counters[key] = type(value)()
+
+    def occupancy(self, busy: bool, now: float) -> None:
+        """Open the occupied span when requests arrive, close it when the last one leaves."""
+        if busy and self._occupied_since is None:
+            self._occupied_since = now
+        elif not busy and self._occupied_since is not None:
+            self._occupied_s += now - self._occupied_since
+            self._occupied_since = None
+
+    def occupied_s(self) -> float:
+        since = self._occupied_since
+        return self._occupied_s + (time.perf_counter() - since if since is not None else 0.0)
+
+    def count(self, prefill: int, decode: int, forward_s: float, step_s: float) -> None:
+        c = self.counters
+        c["steps"] += 1
+        c["prefill_tokens"] += prefill
+        c["decode_tokens"] += decode
+        c["forward_s"] += forward_s
+        c["step_s"] += step_s
+        r = self._rate
+        r["prefill"] += prefill
+        r["decode"] += decode
+        now = time.monotonic()
+        if now - r["t"] >= 1.0:  # rates over the last second or so
+            span = now - r["t"]
+            r["prefill_tok_s"], r["decode_tok_s"] = r["prefill"] / span, r["decode"] / span
+            r["t"], r["prefill"], r["decode"] = now, 0, 0
+
+    def rates(self) -> dict:
+        return {
+            "prefill_tok_s": round(self._rate["prefill_tok_s"], 1),
+            "decode_tok_s": round(self._rate["decode_tok_s"], 1),
+        }
+
+
+def engine_stats(engine: Engine) -> dict:
+    b, meter = engine.batcher, engine.meter
+    st = b.stats
+    return {
+        "running": len(b.running),
+        "waiting": len(b.waiting),
+        "batch_weight": b.batch_weight(),
+        "max_batch_weight": b.budget,
+        "max_input_length": engine.max_input_length,
+        "max_total_tokens": b.config.max_total_tokens,
+        **engine.runner.memory(),
+        **meter.rates(),
+        **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in meter.counters.items()},
+        "occupied_s": round(meter.occupied_s(), 3),
+        "model": engine.config.model,
+        "attention": engine.backend,
+        "runner": engine.lm.runner,
+        "compiled": engine.runner.compiled,
+        "warmup_s": round(engine.warmup_s, 1),
+        "mode": b.config.mode,
+        "prefix_cache": bool(b.ledger is not None and b.ledger.caching),
+        "prefix_hit_rate": round(st.cached_tokens / st.prompt_tokens, 4) if st.prompt_tokens else 0.0,
+        "prefix_cached_tokens": st.cached_tokens,
+        "prefix_shared_blocks": b.paging.shared.held,
+    }
+
+
+def check_invariants(engine: Engine) -> None:
+    b = engine.batcher
+    assert b.batch_weight() <= b.budget, "batch weight over budget"
+    b.check_memory()
+    engine.runner.check(list(engine.seqs.values()), b.budget)
+    for seq in engine.seqs.values():
+        assert len(seq.token_ids) == seq.sched.context_len, f"{seq.id}: tokens out of step with the batcher"
