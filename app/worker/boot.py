@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 POOL_ADVICE = (
     "weightq hosts one engine per worker process and needs the threads pool: run "
-    "`weightq worker` or `celery -A app worker -P threads -c 128`"
+    "`weightq worker` or `celery -A weightq worker -P threads -c 128`"
 )
 
 

@@ -177,16 +177,14 @@ def test_two_workers_share_one_queue(service):
     assert min(counts.values()) >= 5, counts  # both take a share (unevenly if one is starved of CPU)
 
 
-def test_worker_refuses_a_pool_that_cannot_host_the_engine(redis_url):
+def test_worker_refuses_a_pool_that_cannot_host_the_engine(redis_url, tmp_path):
     import os
     import subprocess
     import sys
 
-    from weightq.cli.processes import ROOT
-
-    out = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "app", "worker", "-P", "solo"],
-        cwd=ROOT,
+    out = subprocess.run(  # the installed name, from a directory that is not the repository
+        [sys.executable, "-m", "celery", "-A", "weightq", "worker", "-P", "solo"],
+        cwd=tmp_path,
         env=dict(os.environ, REDIS_URL=redis_url),
         capture_output=True,
         text=True,
