@@ -55,7 +55,7 @@ def run_weightq(work, budget: int, policy: str = "weighted", warmup: bool = Fals
     if policy == "static":
         from weightq.batcher.sim.policies import StaticBatcher
 
-        engine.batcher = StaticBatcher(engine.batcher.config)
+        engine.use_batcher(StaticBatcher(engine.batcher.config, blocks=True))
     engine.generate(requests(work, "warm") if warmup else requests(work[:4], "warm"))
     engine.counters.update(steps=0, forward_s=0.0, step_s=0.0)
     t0 = time.perf_counter()

@@ -140,8 +140,12 @@ class JobRunner:
             message = stored.decode() if isinstance(stored, bytes) else stored
             log.error("job %s dead-lettered: %s", job_id, message)
             raise DeadLettered(message)
-        if attempt == -2:  # finished before, redelivered before its ack: the same result again
-            return json.loads(stored)
+        if attempt == -2:  # finished before, redelivered before its ack: the same outcome again
+            if stored:
+                return json.loads(stored)
+            error = self.retrying(lambda: self.redis.hget(job_key(job_id), "error"))  # it ended with an error
+            error = error.decode() if isinstance(error, bytes) else error
+            raise GenerationFailed(error or "it failed in an earlier run")
         self._begun[job_id] = attempt = int(attempt)
         submitted, crashes, resumed_from = started[0], int(started[1]), int(started[2])
         emitted, lps = self._emitted(job_id, spec, resumed_from)
@@ -159,7 +163,10 @@ class JobRunner:
                 final, written = self._generate(job_id, request, attempt, extra)
         except Closed:  # shutting down before it could start: back to the queue as it was
             final, written = None, True
-        if not written:
+        if not written:  # Redis down too long: the task ends the job (FAIL), and its queued entries go
+            self.publisher.abandon(job_id)
+            self.publisher.failed.pop(job_id, None)
+            self.publisher.superseded.discard(job_id)
             raise GenerationFailed(f"job {job_id}: its end entry was not written in {s.redis_retry_s} s")
         why = self.publisher.failed.pop(job_id, None)
         if job_id in self.publisher.superseded:

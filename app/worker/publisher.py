@@ -54,7 +54,10 @@ class StreamPublisher:
         self.ttl_s = ttl_s
         self.job_ttl_s = job_ttl_s
         self._pending: list[tuple[Event | list[tuple], float]] = []  # events, or a step's token tuples
-        self._batches: queue.SimpleQueue[list[tuple[Event | list[tuple], float]] | None] = queue.SimpleQueue()
+        # a step's events with the fences of that moment (see flush)
+        self._batches: queue.SimpleQueue[tuple[list[tuple[Event | list[tuple], float]], dict[str, int]] | None] = (
+            queue.SimpleQueue()
+        )
         self._writer = threading.Thread(target=self._write_loop, name="weightq-streams", daemon=True)
         self._writer.start()
         self.annotations: dict[str, dict] = {}  # job id -> fields added to its result (attempt, worker)
@@ -73,6 +76,10 @@ class StreamPublisher:
         # job ends with an error (JobRunner reads this), and `on_write_failed` stops it in the engine
         self.failed: dict[str, str] = {}
         self.on_write_failed: Callable[[str], None] | None = None
+        # jobs whose task stopped waiting for their end (Redis down past REDIS_RETRY_S) and ends them
+        # itself (FAIL): their entries still queued here are dropped, so a job never ends twice
+        self.abandoned: set[str] = set()
+        self._lock = threading.Lock()  # _finals and abandoned: the writer and the task threads
 
     def __call__(self, event: Event, emitted: float | None = None) -> None:
         """`emitted`: the engine's stamp when it runs in a process of its own (else now)."""
@@ -91,13 +98,24 @@ class StreamPublisher:
         """An event set once the job's last entry and final state are in Redis (or its finish was
         skipped: a job going back to the queue). Its task must not finish (be acked) before: a worker
         killed in between would leave a job that no redelivery runs again and no reader sees end."""
-        written = self._finals[job_id] = threading.Event()
+        with self._lock:
+            written = self._finals[job_id] = threading.Event()
         return written
 
     def flush(self) -> None:
+        """The step's events go to the writer with the fences of now, while their runs are current:
+        a batch that Redis refuses for a while is retried under the attempt it was written by, even
+        once its task has given up and dropped the job's fence."""
         if self._pending:
             batch, self._pending = self._pending, []
-            self._batches.put(batch)
+            self._batches.put((batch, dict(self.fences)))
+
+    def abandon(self, job_id: str) -> None:
+        """The job's task gave up waiting for its end to be written and ends it itself: drop what of
+        it is still queued (nothing if its finish was already handled)."""
+        with self._lock:
+            if job_id in self._finals:
+                self.abandoned.add(job_id)
 
     def close(self) -> None:
         self.flush()
@@ -106,15 +124,20 @@ class StreamPublisher:
 
     def _write_loop(self) -> None:
         while True:
-            batch = self._batches.get()
-            if batch is None:
+            item = self._batches.get()
+            if item is None:
                 return
+            batch, fences = item
             entries = self._entries(batch)
             self._seq += 1
             refused = 0
             while entries:
+                if self.abandoned:
+                    entries = [e for e in entries if job_of_stream(e[0]) not in self.abandoned]
+                    if not entries:
+                        break
                 try:
-                    self._apply(self._seq, entries)
+                    self._apply(self._seq, entries, fences)
                     break
                 except redis.RedisError as e:
                     if is_transient(e):  # Redis restarting or failing over: one line, not a traceback
@@ -123,15 +146,19 @@ class StreamPublisher:
                         continue
                     refused += 1
                     if refused >= REFUSED_TRIES:
-                        self._abort(entries, e)
+                        self._abort(entries, e, fences)
                         break
                     log.warning("writing %d stream entries refused: %s; retrying", len(entries), e)
                     time.sleep(0.5)
             for ev, _ in batch:
-                if isinstance(ev, FinishEvent) and (written := self._finals.pop(ev.request_id, None)):
-                    written.set()
+                if isinstance(ev, FinishEvent):
+                    with self._lock:
+                        written = self._finals.pop(ev.request_id, None)
+                        self.abandoned.discard(ev.request_id)
+                    if written is not None:
+                        written.set()
 
-    def _abort(self, entries: list[tuple], error: redis.RedisError) -> None:
+    def _abort(self, entries: list[tuple], error: redis.RedisError, fences: dict[str, int] | None = None) -> None:
         """Redis keeps refusing this batch: its jobs end with an error entry (ABORT, which gets
         through under maxmemory) and stop in the engine; the other jobs' streams go on."""
         jobs = {job_of_stream(entry[0]) for entry in entries} - self.failed.keys() - self.superseded
@@ -141,7 +168,8 @@ class StreamPublisher:
             ended = 1
             try:
                 keys = [job_key(job_id), stream_key(job_id)]
-                args = [self.maxlen, self.ttl_s, self.job_ttl_s, message, self.fences.get(job_id, "")]
+                attempt = (self.fences if fences is None else fences).get(job_id, "")
+                args = [self.maxlen, self.ttl_s, self.job_ttl_s, message, attempt]
                 ended = self.durable.run(self._abort_script, keys, args)
             except redis.RedisError as e:
                 log.error("job %s: its error entry was refused too (%s)", job_id, e)
@@ -153,41 +181,13 @@ class StreamPublisher:
                 self.on_write_failed(job_id)
 
     def _entries(self, batch: list[tuple[Event | list[tuple], float]]) -> list[tuple]:
-        """What to write for each event worth writing: (stream key, (index, text, token id, stamp))
-        for a plain token, else (stream key, fields, the job's final state or None)."""
-        out: list[tuple] = []
-        failed = self.failed
-        for ev, emitted in batch:
-            if isinstance(ev, list):  # a step's token tuples (tokens()), all with the step's stamp
-                ts = f"{emitted:.6f}"
-                for rid, index, token_id, text, logprobs in ev:
-                    if not failed or rid not in failed:
-                        out.append(_token_entry(rid, index, token_id, text, logprobs, ts))
-                continue
-            if failed and ev.request_id in failed:
-                continue  # its stream ended with an error entry (_abort)
-            if isinstance(ev, TokenEvent):
-                out.append(_token_entry(ev.request_id, ev.index, ev.token_id, ev.text, ev.logprobs, f"{emitted:.6f}"))
-                continue
-            key = stream_key(ev.request_id)
-            extra = self.annotations.pop(ev.request_id, {})
-            if self.requeueing and ev.reason == "cancelled" and ev.error == SHUTDOWN:
-                continue  # requeued (or ended by the REQUEUE script): jobs.py. A client's cancel ends here.
-            if ev.reason == "error":
-                message, fld = ev.error or "error", field_of(ev.error)
-                fields = {"type": EntryType.ERROR, "message": message, "field": fld}
-                state = {"state": JobState.DONE, "error": message, "field": fld}
-            else:
-                result = json.dumps(result_dict(ev) | extra)
-                fields = {"type": EntryType.END, "reason": ev.reason, "result": result}
-                final = JobState.CANCELLED if ev.reason == "cancelled" else JobState.DONE
-                state = {"state": final, "result": result}
-            out.append((key, fields, state))
-        return out
+        return entries_of(batch, self.failed, self.annotations, self.requeueing)
 
-    def _apply(self, seq: int, entries: list[tuple]) -> None:
+    def _apply(self, seq: int, entries: list[tuple], fences: dict[str, int] | None = None) -> None:
         """One script call per batch, applied at most once: a retry after a lost reply (Redis
-        crashed after applying it) is a no-op instead of a second copy of every entry."""
+        crashed after applying it) is a no-op instead of a second copy of every entry. `fences`: those
+        the batch was flushed with (None: the live table)."""
+        fenced = self.fences if fences is None else fences
         keys = [self.writer_key, STREAM_TICK]
         index: dict[str, int] = {}
         fences: list = []
@@ -197,7 +197,7 @@ class StreamPublisher:
                 keys.append(key)
                 index[key] = len(keys)
                 job_id = job_of_stream(key)
-                if key != job_id and (attempt := self.fences.get(job_id)) is not None:
+                if key != job_id and (attempt := fenced.get(job_id)) is not None:
                     fences.extend((index[key], slot(job_key(job_id)), attempt))
             return index[key]
 
@@ -228,6 +228,44 @@ class StreamPublisher:
             self.superseded.add(job_id)
             if self.on_superseded is not None:
                 self.on_superseded(job_id)
+
+
+def entries_of(
+    batch: list[tuple[Event | list[tuple], float]],
+    failed: dict[str, str],
+    annotations: dict[str, dict],
+    requeueing: bool,
+) -> list[tuple]:
+    """What to write for each event worth writing: (stream key, (index, text, token id, stamp))
+    for a plain token, else (stream key, fields, the job's final state or None)."""
+    out: list[tuple] = []
+    for ev, emitted in batch:
+        if isinstance(ev, list):  # a step's token tuples (tokens()), all with the step's stamp
+            ts = f"{emitted:.6f}"
+            for rid, index, token_id, text, logprobs in ev:
+                if not failed or rid not in failed:
+                    out.append(_token_entry(rid, index, token_id, text, logprobs, ts))
+            continue
+        if failed and ev.request_id in failed:
+            continue  # its stream ended with an error entry (_abort)
+        if isinstance(ev, TokenEvent):
+            out.append(_token_entry(ev.request_id, ev.index, ev.token_id, ev.text, ev.logprobs, f"{emitted:.6f}"))
+            continue
+        key = stream_key(ev.request_id)
+        extra = annotations.pop(ev.request_id, {})
+        if requeueing and ev.reason == "cancelled" and ev.error == SHUTDOWN:
+            continue  # requeued (or ended by the REQUEUE script): jobs.py. A client's cancel ends here.
+        if ev.reason == "error":
+            message, fld = ev.error or "error", field_of(ev.error)
+            fields = {"type": EntryType.ERROR, "message": message, "field": fld}
+            state = {"state": JobState.DONE, "error": message, "field": fld}
+        else:
+            result = json.dumps(result_dict(ev) | extra)
+            fields = {"type": EntryType.END, "reason": ev.reason, "result": result}
+            final = JobState.CANCELLED if ev.reason == "cancelled" else JobState.DONE
+            state = {"state": final, "result": result}
+        out.append((key, fields, state))
+    return out
 
 
 def _token_entry(rid: str, index: int, token_id: int, text: str, logprobs, ts: str) -> tuple:

@@ -21,11 +21,13 @@ from ..request import Request
 
 
 class StaticBatcher(Batcher):
-    def __init__(self, config: BatcherConfig) -> None:
+    def __init__(self, config: BatcherConfig, *, blocks: bool = False) -> None:
         super().__init__(replace(config, jump_window_s=0.0))
         self.slots = self.budget // self.config.max_total_tokens
-        # it admits by count, not weight: nothing bounds its blocks (the simulator counts overflows)
-        self.ledger = self.paging.ledger = None
+        # It admits by count, not weight: in the simulator nothing bounds its blocks (it counts
+        # overflows). A real engine (`blocks`) needs them allocated: slots x max_total_tokens fit.
+        if not blocks:
+            self.ledger = self.paging.ledger = None
 
     def fits(self, req: Request, chunk: int | None = None, ahead: int = 0) -> bool:
         return len(self.running) < self.slots

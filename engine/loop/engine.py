@@ -12,9 +12,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
-from weightq.batcher import RequestRejected
+from weightq.batcher import Batcher, RequestRejected
 
 from ..builder import build, on_fresh_thread
 from ..config import EngineConfig
@@ -143,6 +144,12 @@ class Engine:
 
     def stats(self) -> dict:
         return engine_stats(self)
+
+    def use_batcher(self, batcher: Batcher) -> None:
+        """Another admission policy on the same engine (benchmarks' baselines); requests are checked
+        against it from now on."""
+        self.batcher = batcher
+        self.intake.prepare = replace(self.intake.prepare, batcher=batcher)
 
     # ----- engine thread --------------------------------------------------------------------------
     def _run(self) -> None:

@@ -99,3 +99,46 @@ def test_an_abort_is_fenced_too(service):
         assert failed == ["mine-a"] and "refused" in pub.failed["mine-a"]
     finally:
         pub.close()
+
+
+def test_a_batch_retried_through_an_outage_keeps_its_fences_and_drops_what_its_task_gave_up(tmp_path):
+    """Redis down longer than a task waits for its job's end: the batches still queued are retried
+    under the fences they were flushed with (the task has dropped its own by then), so a job that
+    resumed elsewhere meanwhile never gets this run's entries; and a job whose task gave up and ends
+    it itself (FAIL) loses its queued entries here, so it never ends twice."""
+    import time
+
+    from weightq.cli.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis(tmp_path)
+    url = server.start()
+    r = redis.Redis.from_url(url)
+    pub = StreamPublisher(redis.Redis.from_url(url, socket_timeout=2), maxlen=1000, ttl_s=600)
+    told: list[str] = []
+    pub.on_superseded = told.append
+    try:
+        r.hset(job_key("moved"), mapping={"attempt": 2, "state": "running"})  # a later run began elsewhere
+        r.hset(job_key("gave-up"), mapping={"attempt": 1, "state": "running"})
+        r.hset(job_key("fine"), mapping={"attempt": 1, "state": "running"})
+        pub.fences.update({"moved": 1, "gave-up": 1, "fine": 1})
+        written = pub.expect("gave-up")
+        server.stop()  # the outage: the writer retries the batch
+        for job in ("moved", "gave-up", "fine"):
+            pub(TokenEvent(job, 0, 5, "x"), 1.0)
+        pub(FinishEvent("gave-up", "length", "x", (5,), 1, 1, 0.0, 0.0, 0.0), 1.0)
+        pub.flush()
+        time.sleep(1.0)
+        pub.fences.clear()  # every task stopped waiting and dropped its fence
+        pub.abandon("gave-up")
+        server.start()
+        assert written.wait(30)
+        deadline = time.monotonic() + 30
+        while not r.xrange(stream_key("fine")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [f["type"] for f in _fields(r, "fine")] == ["token"]
+        assert r.xrange(stream_key("moved")) == [] and told == ["moved"]
+        assert r.xrange(stream_key("gave-up")) == [] and r.hget(job_key("gave-up"), "state") == b"running"
+        assert not pub.abandoned
+    finally:
+        pub.close()
+        server.stop()
