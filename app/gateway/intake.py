@@ -12,7 +12,8 @@ from typing import Any
 from fastapi import Request
 from weightq.settings import Settings
 from weightq.tasks.limits import LOCAL_TENANT, Door
-from weightq.tasks.request import JobRequest, check_request_size, parse_request
+from weightq.tasks.request import JobRequest, parse_request
+from weightq.tasks.sizes import check_request_size
 
 from .errors import HTTPError
 from .limits import ClientLimits, ServingLimits

@@ -1,0 +1,244 @@
+"""The Lua scripts that change a job's state, each atomic in Redis: part of the job contract
+(tasks/contract.py re-exports them), kept apart because they are Lua, not Python. Every key they
+touch comes in KEYS from the caller, spelled by contract.py.
+"""
+
+# Submit: the job's state, tenant and request (kept so that a job whose message is lost can be sent
+# again) and its place in the queued set; a known id keeps what it has.
+# KEYS: job hash, queued set. ARGV: request JSON, now, job ttl, job id, tenant.
+SUBMIT = """
+redis.call('HSETNX', KEYS[1], 'state', 'queued')
+redis.call('HSETNX', KEYS[1], 'tenant', ARGV[5])
+redis.call('HSETNX', KEYS[1], 'request', ARGV[1])
+redis.call('HSETNX', KEYS[1], 'queued_at', ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('ZADD', KEYS[2], 'NX', ARGV[2], ARGV[4])
+"""
+
+# Back to the queue at a worker's shutdown, listed as queued since `since` (see JobRunner._requeue);
+# unless its client cancelled it meanwhile (the flag is set even if the engine never heard of it):
+# then it ends here, cancelled, with what it had generated. Returns 1 when it ended, 0 when requeued,
+# 2 when a later run has begun (this one's worker was taken for dead: nothing to do).
+# KEYS: job hash, queued set, stream. ARGV: since, job id, result JSON, stream maxlen, stream ttl, attempt.
+REQUEUE = """
+if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[6] then return 2 end
+if redis.call('HGET', KEYS[1], 'cancel') then
+  redis.call('HSET', KEYS[1], 'state', 'cancelled', 'result', ARGV[3])
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'type', 'end', 'reason', 'cancelled', 'result', ARGV[3])
+  redis.call('EXPIRE', KEYS[3], ARGV[5])
+  return 1
+end
+redis.call('HSET', KEYS[1], 'state', 'queued')
+redis.call('ZADD', KEYS[2], ARGV[1], ARGV[2])
+return 0
+"""
+
+# Start (or resume) a run: refuse a cancelled or finished job; dead-letter one charged with
+# `max attempts` worker crashes (the last while it ran alone: see app/worker/reaper.py); else bump the
+# attempt (the fence: stream writes of any earlier run are refused from now on), record the run and
+# the worker instance, and mark the stream with where this run resumes (the index after its last
+# token). A job still 'running' from a run nobody charged, whose worker instance is still registered
+# (kombu's visibility timeout brought it back before any reaper saw that worker die), is charged here;
+# once a reaper has handled an instance (charged or released its jobs, then unregistered it), its
+# runs are never charged again. A retry of the same run's BEGIN (its reply was lost, or replicas did
+# not confirm it) is a no-op answering the same: retries never count. Warm-shutdown requeues and
+# redeliveries are runs, never crashes.
+# KEYS: job hash, stream, queued set, high-water mark, dead list, the instance's held tags, RESUMING,
+# LEASES.
+# ARGV: stream maxlen, stream ttl, job ttl, max attempts, now, worker name, job id, cancelled result,
+# run id (unique per run), the job's priority class, worker instance, delivery tag ('' if none).
+# Returns {attempt, '', the job's submission stamp, crashes, resumed from} for a run that starts, else
+# {code < 0, the stored result or the dead letter's message}: -1 cancelled, -2 done, -3 dead-lettered.
+BEGIN = """
+local state = redis.call('HGET', KEYS[1], 'state')
+redis.call('ZREM', KEYS[3], ARGV[7])
+redis.call('SREM', KEYS[7], ARGV[7])
+if state == 'cancelled' or redis.call('HGET', KEYS[1], 'cancel') then
+  if state ~= 'cancelled' then  -- cancelled while its worker died: end it here, once
+    redis.call('HSET', KEYS[1], 'state', 'cancelled')
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'end', 'reason', 'cancelled', 'result', ARGV[8])
+    redis.call('EXPIRE', KEYS[2], ARGV[2])
+  end
+  return {-1, ''}
+end
+if state == 'done' then return {-2, redis.call('HGET', KEYS[1], 'result') or ''} end
+local run = redis.call('HGET', KEYS[1], 'run')
+local crashes = tonumber(redis.call('HGET', KEYS[1], 'crashes') or '0')
+local submitted = redis.call('HGET', KEYS[1], 'queued_at') or ''
+if state == 'running' and run == ARGV[9] then
+  return {tonumber(redis.call('HGET', KEYS[1], 'attempt')), '', submitted, crashes,
+    tonumber(redis.call('HGET', KEYS[1], 'from'))}
+end
+if ARGV[12] ~= '' then
+  redis.call('SADD', KEYS[6], ARGV[12])
+  redis.call('EXPIRE', KEYS[6], 86400)
+end
+local q = tonumber(redis.call('HGET', KEYS[1], 'queued_at') or '0')
+if q > tonumber(redis.call('HGET', KEYS[4], ARGV[10]) or '0') then redis.call('HSET', KEYS[4], ARGV[10], q) end
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if state == 'running' and run and redis.call('HGET', KEYS[1], 'charged') ~= run and owner
+    and redis.call('HEXISTS', KEYS[8], owner) == 1 then
+  crashes = redis.call('HINCRBY', KEYS[1], 'crashes', 1)
+  redis.call('HSET', KEYS[1], 'charged', run)
+end
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+if crashes >= tonumber(ARGV[4]) then
+  local msg = 'dead-lettered: its worker died ' .. crashes .. ' times while running it, the last time with ' ..
+    'no other job (the limit is ' .. ARGV[4] .. '); it may crash the worker'
+  redis.call('HSET', KEYS[1], 'state', 'done', 'error', msg, 'field', '')
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'error', 'message', msg, 'field', '')
+  redis.call('EXPIRE', KEYS[2], ARGV[2])
+  redis.call('LPUSH', KEYS[5], cjson.encode({id = ARGV[7], attempts = crashes, at = tonumber(ARGV[5]),
+    worker = ARGV[6], request = redis.call('HGET', KEYS[1], 'request') or ''}))
+  return {-3, msg}
+end
+local n = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
+local from, before = 0, '+'
+while true do  -- the last token entry (a few attempt entries may follow it)
+  local rows = redis.call('XREVRANGE', KEYS[2], before, '-', 'COUNT', 16)
+  for _, row in ipairs(rows) do
+    local f = row[2]
+    for j = 1, #f, 2 do
+      if f[j] == 'type' and f[j + 1] == 'token' then
+        for k = 1, #f, 2 do if f[k] == 'i' then from = tonumber(f[k + 1]) + 1 end end
+      end
+    end
+    if from > 0 then break end
+    before = '(' .. row[1]
+  end
+  if from > 0 or #rows < 16 then break end
+end
+redis.call('HSET', KEYS[1], 'state', 'running', 'run', ARGV[9], 'owner', ARGV[11], 'from', from)
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'attempt', 'attempt', n, 'from', from)
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return {n, '', submitted, crashes, from}
+"""
+
+# The jobs of a worker instance found dead (app/worker/reaper.py): those inside its engine are charged
+# a crash, the others it held are released uncharged; each dead run once, however many reapers race.
+# Each is listed in RESUMING until a run of it begins (BEGIN), so that the lost-job sweep re-sends it
+# should its message be lost on the way (a worker killed between taking it and recording it).
+# KEYS: RESUMING, then job hashes. ARGV: the instance, then per job 1 (inside its engine) or 0 and its id.
+# Returns the hash keys of the jobs charged.
+CHARGE = """
+local out = {}
+for i = 2, #KEYS do
+  local key = KEYS[i]
+  local run = redis.call('HGET', key, 'run')
+  if run and redis.call('HGET', key, 'state') == 'running' and redis.call('HGET', key, 'owner') == ARGV[1]
+      and redis.call('HGET', key, 'charged') ~= run then
+    if ARGV[2 * i - 2] == '1' then
+      redis.call('HINCRBY', key, 'crashes', 1)
+      out[#out + 1] = key
+    end
+    redis.call('HSET', key, 'charged', run)
+    redis.call('SADD', KEYS[1], ARGV[2 * i - 1])
+  end
+end
+return out
+"""
+
+# Fail a job before it runs (a refused request): once, however often it is retried or redelivered.
+# Or fail a run that raised (ARGV[7], its attempt: a no-op once a later run has begun).
+# KEYS: job hash, stream, queued set. ARGV: stream maxlen, stream ttl, job ttl, message, field, job id, attempt or ''.
+FAIL = """
+if redis.call('HGET', KEYS[1], 'state') == 'done' then return 0 end
+if ARGV[7] ~= '' and redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[7] then return 0 end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'error', 'message', ARGV[4], 'field', ARGV[5])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+redis.call('HSET', KEYS[1], 'state', 'done', 'error', ARGV[4], 'field', ARGV[5])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('ZREM', KEYS[3], ARGV[6])
+return 1
+"""
+
+# End a running job with an error entry when a worker cannot write its stream (a non-transient error,
+# e.g. OOM under maxmemory) instead of retrying for ever. Its first write (HDEL of the stored request,
+# which a finished job no longer needs) frees memory and is not refused under maxmemory; Redis then
+# lets the script's other writes through (a script that has begun writing is not stopped midway).
+# Fenced as WRITE_BATCH is: a job that has begun a later run than the writer's is not its to end (2).
+# KEYS: job hash, stream. ARGV: stream maxlen, stream ttl, job ttl, message, the writer's attempt ('': any).
+ABORT = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if state == 'done' or state == 'cancelled' then return 0 end
+if ARGV[5] ~= '' and redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[5] then return 2 end
+redis.call('HDEL', KEYS[1], 'request')
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'error', 'message', ARGV[4], 'field', '')
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+redis.call('HSET', KEYS[1], 'state', 'done', 'error', ARGV[4], 'field', '')
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+# A step's stream entries, applied at most once per (writer, seq). A job's last entry and its final
+# state go together, so a worker that dies after writing the end never leaves a 'running' job that a
+# redelivery would run again. Fenced: a stream whose job has begun a later run than the writer's
+# (its worker was paused, taken for dead, and the job resumed elsewhere) gets nothing.
+# Then one STREAM_TICK entry, after them all (readers block on it).
+# KEYS: the writer's key, STREAM_TICK, then streams and job hashes. ARGV: maxlen, stream ttl, job ttl, seq,
+# the number of fences, per fence its stream index, job index (into KEYS) and the writer's attempt;
+# then per entry its stream index and either 0 and a plain token's four values (index, text,
+# token id, emit stamp: most entries, in half the arguments) or the number of field pairs, the job
+# index (0: none), the number of job-state pairs, the field pairs, the job-state pairs.
+# Returns the job hashes fenced off.
+WRITE_BATCH = """
+if tonumber(redis.call('GET', KEYS[1]) or '0') >= tonumber(ARGV[4]) then return {} end
+redis.call('SET', KEYS[1], ARGV[4], 'EX', 86400)
+local maxlen = ARGV[1]
+local fenced, out = {}, {}
+local i = 6
+for _ = 1, tonumber(ARGV[5]) do
+  local job = KEYS[tonumber(ARGV[i + 1])]
+  if redis.call('HGET', job, 'attempt') ~= ARGV[i + 2] then
+    fenced[tonumber(ARGV[i])] = true
+    out[#out + 1] = job
+  end
+  i = i + 3
+end
+while i <= #ARGV do
+  local key = KEYS[tonumber(ARGV[i])]
+  local skip = fenced[tonumber(ARGV[i])]
+  local n = tonumber(ARGV[i + 1])
+  if n == 0 then
+    if not skip then
+      redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', 'type', 'token', 'i', ARGV[i + 2], 'text', ARGV[i + 3],
+        'id', ARGV[i + 4], 'ts', ARGV[i + 5])
+    end
+    i = i + 6
+  elseif skip then
+    i = i + 4 + 2 * n + 2 * tonumber(ARGV[i + 3])
+  else
+    local job, m = tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
+    local cmd = {'XADD', key, 'MAXLEN', '~', maxlen, '*'}
+    for j = 1, 2 * n do cmd[#cmd + 1] = ARGV[i + 3 + j] end
+    redis.call(unpack(cmd))
+    if job > 0 then
+      redis.call('EXPIRE', key, ARGV[2])
+      local h = {'HSET', KEYS[job]}
+      for j = 1, 2 * m do h[#h + 1] = ARGV[i + 3 + 2 * n + j] end
+      if m > 0 then redis.call(unpack(h)) end
+      redis.call('EXPIRE', KEYS[job], ARGV[3])
+    end
+    i = i + 4 + 2 * n + 2 * m
+  end
+end
+redis.call('XADD', KEYS[2], 'MAXLEN', '1', '*', 'seq', ARGV[4])
+return out
+"""
+
+# Cancel from a client: a queued job ends here and now; a running one is flagged for its worker.
+CANCEL = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if state == 'done' or state == 'cancelled' then return state end
+if state == 'running' then
+  redis.call('HSET', KEYS[1], 'cancel', '1')
+  redis.call('PUBLISH', ARGV[4], ARGV[5])
+  return 'running'
+end
+redis.call('HSET', KEYS[1], 'state', 'cancelled')
+redis.call('ZREM', KEYS[3], ARGV[5])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'end', 'reason', 'cancelled', 'result', ARGV[3])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return 'queued'
+"""

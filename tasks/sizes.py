@@ -1,0 +1,35 @@
+"""A whole request's size, checked before any of its jobs is parsed or stored: a request of many
+choices (OpenAI's `n`, a list of prompts) is refused by its total, with no work per item."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from .limits import MAX_MESSAGES, MAX_REQUEST_PROMPT_UNITS
+from .request import RequestError
+
+
+def prompt_units(job: Mapping) -> int:
+    """The size of a job request's prompt (a JSON object, before it is parsed): characters, token ids,
+    or the characters of a chat's messages; what MAX_REQUEST_PROMPT_UNITS counts, with no work per item."""
+    for name in ("prompt", "prompt_token_ids"):
+        if isinstance(value := job.get(name), str | list | tuple):
+            return len(value)
+    messages = job.get("messages")
+    if not isinstance(messages, list | tuple):
+        return 0
+    texts = (m.get("content") for m in messages[: MAX_MESSAGES + 1] if isinstance(m, Mapping))  # more: refused
+    return sum(len(t) for t in texts if isinstance(t, str))
+
+
+def check_request_size(jobs: list[Mapping], n: int = 1, field: str = "prompt") -> None:
+    """Refuse, before any job is parsed or stored, a request whose choices (each job `n` times) ask
+    for more prompt than MAX_REQUEST_PROMPT_UNITS in all (`field`: what the caller's API calls the
+    prompt)."""
+    total = n * sum(prompt_units(job) for job in jobs)
+    if total > MAX_REQUEST_PROMPT_UNITS:
+        raise RequestError(
+            field,
+            f"{len(jobs) * n} choices ask for {total} prompt characters or token ids in all, "
+            f"more than {MAX_REQUEST_PROMPT_UNITS} per request",
+        )
