@@ -21,6 +21,7 @@ import time
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from weightq.tasks.limits import MAX_PRIORITY
@@ -171,6 +172,35 @@ class QueueCollector:
         for (queue, cls), n in sorted(self.source().items()):
             depth.add_metric([queue, str(cls)], n)
         yield depth
+
+
+class BacklogCollector:
+    """The projected waits (app/client/backlog.py) of the queue: what an autoscaler should scale on
+    (README, "Autoscaling"), since a queue's length says nothing of how long its jobs take."""
+
+    def __init__(self, source: Callable[[], Any]) -> None:
+        self.source = source  # () -> a backlog.Projection
+
+    def collect(self) -> Iterator:
+        try:
+            proj = self.source()
+        except Exception:  # Redis unreachable: no sample rather than a failed scrape
+            return
+        drain = GaugeMetricFamily(
+            "weightq_projected_drain_seconds",
+            "Projected seconds until every job queued now has a worker (0: none waits)",
+        )
+        drain.add_metric([], proj.drain_s())
+        yield drain
+        wait = GaugeMetricFamily(
+            "weightq_projected_wait_seconds", "Projected wait for a worker of a job submitted now, by class",
+            labels=["priority"],
+        )  # fmt: skip
+        for cls in range(MAX_PRIORITY + 1):
+            w = proj.wait(cls)
+            if w is not None:
+                wait.add_metric([str(cls)], w)
+        yield wait
 
 
 def _cumulative(data: dict) -> list[tuple[str, float]]:

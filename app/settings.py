@@ -61,6 +61,9 @@ class Settings(BaseSettings):
     # The engine in a process of its own (engine/process/): auto (on for CUDA, simulated, and a CPU
     # engine whose threads leave a core free), on, off
     engine_process: Literal["auto", "on", "off"] = "auto"
+    # Backpressure: a job whose projected wait for a worker exceeds this many seconds is refused at
+    # submission (the client raises Overloaded, the gateway answers 429 with Retry-After); 0: never
+    max_queue_wait_s: Annotated[float, Field(ge=0)] = 0.0
     concurrency: int = 128  # task threads per worker: the most requests one worker holds at once
     task_events: bool = True  # Flower's per-task view; off saves ~a third of the consumer's work per job
     queue: str = "weightq"

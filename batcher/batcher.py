@@ -122,6 +122,7 @@ class Batcher:
         self.release(req)
         del self.order[req.id]
         self.tenants.leave(req.tenant)
+        self.stats.finish(req.generated)
         if self.estimator is not None and not req.runs_to_max:
             self.estimator.observe(req.generated)
             self.estimator.relax()

@@ -41,3 +41,10 @@ class BatcherStats:
     generated_tokens: int = 0
     prompt_tokens: int = 0  # context tokens of every admission (readmissions too)
     cached_tokens: int = 0  # of those, found in the prefix cache instead of computed
+    mean_output: float = 0.0  # output tokens of recently finished requests (a moving average)
+    finished: int = 0
+
+    def finish(self, generated: int) -> None:
+        """A request ended with `generated` tokens: the average of the last ~50 (the first ones exactly)."""
+        self.finished += 1
+        self.mean_output += (generated - self.mean_output) / min(self.finished, 50)

@@ -82,6 +82,8 @@ class GenerationRequest:
     # Salts its prompt's prefix-cache keys: requests find only the cached blocks of prompts with the
     # same salt (the worker gives each tenant its own; "" shares the cache with every unsalted request).
     cache_salt: str = ""
+    # unix seconds: still waiting for admission then, it ends unrun with a "deadline: ..." error
+    deadline: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

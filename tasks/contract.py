@@ -126,6 +126,10 @@ class JobFailed(RuntimeError):
         self.field = field
 
 
+class JobExpired(JobFailed):
+    """The job's deadline passed before it could start: it ended unrun (its error names `deadline`)."""
+
+
 def decode_fields(raw: Mapping) -> dict[str, str]:
     """A stream entry's fields as str (redis-py returns bytes unless decode_responses is set)."""
     return {
@@ -158,7 +162,8 @@ def outcome(fields: Mapping[str, str]) -> dict | None:
     if kind == EntryType.END:
         return json.loads(fields["result"])
     if kind == EntryType.ERROR:
-        raise JobFailed(fields.get("message") or "error", fields.get("field") or "")
+        field = fields.get("field") or ""
+        raise (JobExpired if field == "deadline" else JobFailed)(fields.get("message") or "error", field)
     return None
 
 

@@ -156,6 +156,9 @@ class JobRequest:
     priority: int = DEFAULT_PRIORITY  # its class on the scale of tasks/limits.py
     request_id: str | None = None  # the job id; None: the client draws one
     tenant: str = LOCAL_TENANT  # whose job it is (the gateway sets its caller's; tasks/limits.py)
+    # unix seconds: a job that has not started by then ends with a "deadline" error and never runs late
+    # (the client's `expires`, Celery's word, sets it; a submission that cannot start in time is refused)
+    deadline: float | None = None
 
     def __post_init__(self) -> None:
         self._check_prompt()
@@ -169,6 +172,11 @@ class JobRequest:
             raise RequestError("request_id", "must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")
         if not isinstance(self.tenant, str) or not ID_PATTERN.match(self.tenant):
             raise RequestError("tenant", "must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")
+        if self.deadline is not None:
+            d = self.deadline
+            if not isinstance(d, int | float) or isinstance(d, bool) or not math.isfinite(d) or d <= 0:
+                raise RequestError("deadline", f"must be a time in unix seconds (got {str(d)[:32]})")
+            self._set("deadline", float(d))
 
     def _set(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)  # normalising a field of the frozen object being built

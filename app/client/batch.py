@@ -31,6 +31,7 @@ from typing import IO, Any, Protocol
 from weightq.tasks.contract import job_key
 from weightq.tasks.request import JobRequest, RequestError, parse_request
 
+from .backlog import Overloaded
 from .jobs import Client
 
 
@@ -219,7 +220,7 @@ class BatchRun:
                 req = replace(fmt.request(obj, self.priority), request_id=job_id)
                 while len(self.inflight) >= self.max_in_flight:
                     self.collect(wait=True)
-                self.client.submit_many([req])
+                self.submit_paced(req)
             except RequestError as e:
                 self.progress.refused += 1
                 self.fail(fmt.failed(line_id, obj, job_id, str(e), e.field))
@@ -228,6 +229,18 @@ class BatchRun:
             self.progress.submitted += 1
         while self.inflight:
             self.collect(wait=True)
+
+    def submit_paced(self, req: JobRequest) -> None:
+        """A batch is background work: past MAX_QUEUE_WAIT_S it waits for the backlog (collecting
+        what ends meanwhile) instead of failing its lines."""
+        while True:
+            try:
+                self.client.submit_many([req])
+                return
+            except Overloaded as e:
+                self.collect(wait=False)
+                self.check_stop()
+                time.sleep(min(float(e.retry_after_s), 1.0))
 
     def collect(self, wait: bool) -> None:
         """Record every in-flight job that has ended; with wait, sleep briefly if none has."""

@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 
 import redis
 from weightq.redis_conn import Durable, connect, retrying
@@ -43,6 +44,8 @@ from weightq.tasks.contract import (
 from weightq.tasks.limits import broker_priority
 from weightq.tasks.request import JobRequest, parse_request
 from weightq.tasks.results import TokenLogprobs
+
+from .pressure import Backpressure
 
 __all__ = ["Client", "Job", "JobFailed", "StreamEvent", "submit"]
 
@@ -159,6 +162,7 @@ class Client:
         # XREAD blocks up to 1 s: keep the socket timeout well above it (see FACTS: redis-py 8).
         self.reader = connect(url, self.settings, socket_timeout=30)
         self.durable = Durable(self.redis, self.settings.redis_wait_replicas, self.settings.redis_wait_timeout_ms)
+        self.backpressure = Backpressure(self.redis, self.settings)
         self.submit_script = self.redis.register_script(SUBMIT)
         self.cancel_script = self.redis.register_script(CANCEL)
         self._app = None
@@ -178,19 +182,27 @@ class Client:
         *,
         prompt_token_ids: list[int] | None = None,
         request_id: str | None = None,
+        expires: float | datetime | None = None,
         **params,
     ) -> Job:
         """Check and enqueue (the fields of tasks/request.py's JobRequest); raises RequestError (naming
-        the field) for a bad request."""
+        the field) for a bad request, Overloaded when MAX_QUEUE_WAIT_S is set and the job would wait
+        longer for a worker. `expires` (Celery's word: seconds from now, or a datetime) sets its
+        `deadline`: a job that could not start by then is refused (DeadlineUnreachable) or ends
+        unrun (its result raises JobExpired)."""
         request = {"prompt": prompt, "prompt_token_ids": prompt_token_ids, "request_id": request_id, **params}
+        if expires is not None:
+            request["deadline"] = expires.timestamp() if isinstance(expires, datetime) else time.time() + expires
         return self.submit_many([request])[0]
 
-    def submit_many(self, requests: Sequence[JobRequest | Mapping]) -> list[Job]:
+    def submit_many(self, requests: Sequence[JobRequest | Mapping], *, checked: bool = False) -> list[Job]:
         """Enqueue several requests in two Redis round trips, however many: one pipeline records every
         job, one publishes every message. A JobRequest was checked when it was built; a dict (the
         submit() fields) is parsed here, and a bad one raises RequestError before anything is written.
         The gateway sends the requests that arrive together this way."""
         jobs = [r if isinstance(r, JobRequest) else parse_request(r) for r in requests]
+        if not checked:  # the gateway checks once per HTTP request, before its choices are parsed apart
+            self.backpressure.admit(jobs)
         ids = [job.request_id or uuid.uuid4().hex for job in jobs]
         wire = [job.to_json() for job in jobs]
         now = repr(time.time())

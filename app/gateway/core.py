@@ -21,7 +21,7 @@ import redis
 from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from weightq.client import Client
-from weightq.metrics import QueueCollector, WorkerCollector, live_workers, queue_depths
+from weightq.metrics import BacklogCollector, QueueCollector, WorkerCollector, live_workers, queue_depths
 from weightq.redis_conn import redacted
 from weightq.settings import Settings
 from weightq.tasks.contract import DEAD, HEARTBEATS, Replay, job_key, outcome
@@ -62,7 +62,7 @@ class Gateway:
             resolved(settings.rate_limit_per_s, bool(self.keys), DEFAULT_RATE_PER_KEY),
             settings.rate_burst,
         )
-        self.intake = Intake(settings, self.serving, self.key_classes, self.limits)
+        self.intake = Intake(settings, self.serving, self.key_classes, self.limits, self.client.backpressure)
         self.hub: StreamHub | None = None
         self.registry = CollectorRegistry()
         self.http_requests = Counter(
@@ -75,6 +75,7 @@ class Gateway:
         self.cluster = CollectorRegistry()
         self.cluster.register(WorkerCollector(self.workers))
         self.cluster.register(QueueCollector(self.queue_depths))
+        self.cluster.register(BacklogCollector(self.client.backpressure.projection))
         dead = Gauge("weightq_dead_letters", "Jobs dead-lettered after too many attempts (weightq:dead)",
                      registry=self.cluster)  # fmt: skip
         dead.set_function(lambda: self._llen(DEAD))

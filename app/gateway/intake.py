@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import time
 from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
+from weightq.client.backlog import Overloaded
+from weightq.client.pressure import Backpressure
 from weightq.settings import Settings
 from weightq.tasks.limits import LOCAL_TENANT, Door
 from weightq.tasks.request import JobRequest, parse_request
@@ -19,17 +23,38 @@ from .errors import HTTPError
 from .limits import ClientLimits, ServingLimits
 from .priority import caller_priority
 
+MAX_DEADLINE_S = 7 * 86_400
 OFF_LOOP_BYTES = 64 * 1024  # bodies past this are decoded and checked on a thread, not the event loop
 # What a route asks for: its job requests (one per prompt, in the contract's names) and how many
 # samples of each (n; sample i of a seeded request draws with seed + i).
 Asked = tuple[list[dict], int]
 
 
+DEADLINE_HEADER = "x-deadline-s"  # seconds from now: the jobs must start by then, or are refused / end unrun
+
+
+def deadline_in(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or not 0 < seconds <= MAX_DEADLINE_S:
+        message = f"X-Deadline-S must be seconds in (0, {MAX_DEADLINE_S}] (got {value[:32]!r})"
+        raise HTTPError(400, message, "X-Deadline-S")
+    return time.time() + seconds
+
+
 class Intake:
     def __init__(
-        self, settings: Settings, serving: ServingLimits, key_classes: dict[str, int], limits: ClientLimits
+        self,
+        settings: Settings,
+        serving: ServingLimits,
+        key_classes: dict[str, int],
+        limits: ClientLimits,
+        pressure: Backpressure,
     ) -> None:
         self.settings, self.serving, self.key_classes, self.limits = settings, serving, key_classes, limits
+        self.pressure = pressure
 
     async def body(self, request: Request) -> Any:
         """The request's JSON body, read within BODY_TIMEOUT_S (a body trickled a byte at a time holds
@@ -67,9 +92,11 @@ class Intake:
         is at p x n + i."""
         priority = caller_priority(request, self.key_classes, self.settings.open_max_priority)
         limit = self.serving.max_total_tokens()
-        extra = {"tenant": getattr(request.state, "tenant", LOCAL_TENANT)}
+        extra: dict[str, Any] = {"tenant": getattr(request.state, "tenant", LOCAL_TENANT)}
         if priority is not None:
             extra["priority"] = priority
+        if (within := request.headers.get(DEADLINE_HEADER)) is not None:
+            extra["deadline"] = deadline_in(within)
 
         def work() -> list[JobRequest]:
             jobs, n = asked()
@@ -78,9 +105,13 @@ class Intake:
             seeded = lambda job, i: job.with_seed(job.seed + i) if i and job.seed is not None else job  # noqa: E731
             return [seeded(job, i) for job in parsed for i in range(n)]
 
-        if getattr(request.state, "body_bytes", 0) > OFF_LOOP_BYTES:
-            return await asyncio.to_thread(work)
-        return work()
+        jobs = await asyncio.to_thread(work) if getattr(request.state, "body_bytes", 0) > OFF_LOOP_BYTES else work()
+        if self.settings.max_queue_wait_s > 0 or "deadline" in extra:
+            try:  # the projection may replay thousands of queued jobs: off the event loop
+                await asyncio.to_thread(self.pressure.admit, jobs)
+            except Overloaded as e:
+                raise HTTPError(429, str(e), e.field or None, "rate_limit_error", str(e.retry_after_s)) from None
+        return jobs
 
     def hold(self, request: Request, choices: int) -> None:
         """A request of several choices holds that many of its client's concurrent generations."""

@@ -25,8 +25,8 @@ class Submitter:
         self._writer: asyncio.Task | None = None
 
     async def submit(self, job: JobRequest) -> str:
-        """The job's id once it is recorded and its message published (the route checked the request
-        when it parsed it)."""
+        """The job's id once it is recorded and its message published (the route checked the request,
+        and the backlog, when it parsed it)."""
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._pending.append((job, future))
         if self._writer is None or self._writer.done():
@@ -37,7 +37,7 @@ class Submitter:
         while self._pending:
             batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
             try:
-                jobs = await asyncio.to_thread(self.client.submit_many, [r for r, _ in batch])
+                jobs = await asyncio.to_thread(self.client.submit_many, [r for r, _ in batch], checked=True)
             except Exception as e:  # Redis down beyond REDIS_RETRY_S: every request of the batch fails
                 for _, future in batch:
                     if not future.done():

@@ -51,4 +51,6 @@ def engine_request(job_id: str, job: JobRequest, *, shared_prefix_cache: bool = 
     ids = list(job.prompt_token_ids) if job.prompt_token_ids is not None else None
     chat = [{"role": m.role, "content": m.content} for m in job.messages] if job.messages is not None else None
     salt = "" if shared_prefix_cache else job.tenant
-    return GenerationRequest(job_id, job.prompt, ids, params, chat, job.priority, tenant=job.tenant, cache_salt=salt)
+    return GenerationRequest(
+        job_id, job.prompt, ids, params, chat, job.priority, tenant=job.tenant, cache_salt=salt, deadline=job.deadline
+    )

@@ -29,6 +29,7 @@ from ..sequence import Sequence
 from ..sink import Sink, as_sink
 from ..text.detokenizer import TokenTexts
 from ..text.prompt import render_chat
+from .deadlines import PASSED, Deadlines
 from .intake import Intake, error_event, stopped_event
 from .isolate import isolate
 from .outputs import StepOutputs
@@ -72,6 +73,7 @@ class Engine:
         )  # fmt: skip
         self.intake = Intake(prepare, self.grammars)
         self.meter = Meter()
+        self.deadlines = Deadlines()
         self.counters = self.meter.counters
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -246,10 +248,13 @@ class Engine:
                 self._emit(error_event(item.id, str(e), item.prompt_len, item.submitted_s))
                 continue
             self.seqs[item.id] = item
+            self.deadlines.track(item)
         for rid in cancels:
             seq = self.seqs.get(rid)
             if seq is not None:
                 self._finish(seq, "cancelled")
+        for seq in self.deadlines.expired(self.seqs):
+            self._finish(seq, "error", PASSED)
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         self.outputs.finish_deferred()  # its earlier tokens' events go first

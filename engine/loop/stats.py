@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from weightq.batcher.outlook import outlook
+
 if TYPE_CHECKING:
     from .engine import Engine
 
@@ -24,6 +26,7 @@ class Meter:
             "overflow_steps": 0,  # steps whose batch held more KV tokens than the budget (must stay 0)
         }
         self._rate = {"t": time.monotonic(), "prefill": 0, "decode": 0, "prefill_tok_s": 0.0, "decode_tok_s": 0.0}
+        self._steps = {"n": 0, "s": 0.0, "step_s": 0.0}  # the mean step time of the last second or so
         self._occupied_s = 0.0
         self._occupied_since: float | None = None
 
@@ -50,6 +53,9 @@ class Meter:
         c["decode_tokens"] += decode
         c["forward_s"] += forward_s
         c["step_s"] += step_s
+        st = self._steps
+        st["n"] += 1
+        st["s"] += step_s
         r = self._rate
         r["prefill"] += prefill
         r["decode"] += decode
@@ -58,11 +64,13 @@ class Meter:
             span = now - r["t"]
             r["prefill_tok_s"], r["decode_tok_s"] = r["prefill"] / span, r["decode"] / span
             r["t"], r["prefill"], r["decode"] = now, 0, 0
+            st["step_s"], st["n"], st["s"] = st["s"] / st["n"], 0, 0.0
 
     def rates(self) -> dict:
         return {
             "prefill_tok_s": round(self._rate["prefill_tok_s"], 1),
             "decode_tok_s": round(self._rate["decode_tok_s"], 1),
+            "recent_step_s": round(self._steps["step_s"], 5),  # recent seconds per step (kept while idle)
         }
 
 
@@ -90,6 +98,7 @@ def engine_stats(engine: Engine) -> dict:
         "prefix_hit_rate": round(st.cached_tokens / st.prompt_tokens, 4) if st.prompt_tokens else 0.0,
         "prefix_cached_tokens": st.cached_tokens,
         "prefix_shared_blocks": b.paging.shared.held,
+        "outlook": outlook(b),  # for the web side's projected waits (app/client/backlog.py)
     }
 
 

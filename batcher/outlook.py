@@ -1,0 +1,46 @@
+"""What a worker's batcher knows of its near future, published with its heartbeat so that the web
+side can project how long a new job would wait (app/client/backlog.py) without asking the worker.
+
+Finish steps are each running request's remaining output tokens: its max_new_tokens less what it
+generated (or, in predictive mode once lengths are known, its expected remaining length), because a
+decode step gives every running request one token. Slots are the requests it could run at once:
+those running plus room for more of the typical size (Projector.room_for). A queued job starts when
+a slot frees, so the web side replays these finishes against the queue (backlog.py: project)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .batcher import Batcher
+
+MAX_POINTS = 64  # finish steps published: quantiles of the running set beyond this many
+
+
+def finish_steps(batcher: Batcher) -> list[int]:
+    est = batcher.estimator
+    out = []
+    for r in batcher.running.values():
+        total = r.max_new_tokens if est is None or r.runs_to_max else est.reserve(r.max_new_tokens, r.generated)
+        out.append(max(1, total - r.generated))
+    out.sort()
+    if len(out) <= MAX_POINTS:
+        return out
+    n = len(out)
+    return [out[min(n - 1, (i * n) // MAX_POINTS)] for i in range(MAX_POINTS)]
+
+
+def outlook(batcher: Batcher) -> dict:
+    """JSON-ready: finish_steps (ascending), running (how many finish_steps stand for), slots,
+    waiting {class: requests}, mean_output (tokens of recent finished requests)."""
+    waiting: dict[str, int] = {}
+    for r in batcher.waiting:
+        waiting[str(r.priority)] = waiting.get(str(r.priority), 0) + 1
+    running = len(batcher.running)
+    return {
+        "finish_steps": finish_steps(batcher),
+        "running": running,
+        "slots": running + batcher.room_for(),
+        "waiting": waiting,
+        "mean_output": round(batcher.stats.mean_output, 1),
+    }

@@ -1,0 +1,67 @@
+"""The projected wait of a new job (app/client/backlog.py) against hand-computed schedules."""
+
+from __future__ import annotations
+
+import math
+
+from weightq.client.backlog import WorkerOutlook, project
+
+
+def worker(free_at=(), slots=1, job_s=1.0, waiting=None) -> WorkerOutlook:
+    return WorkerOutlook(tuple(free_at), slots, job_s, waiting or {})
+
+
+def test_free_slots_start_jobs_at_once():
+    p = project([worker(slots=4)], {})
+    assert p.wait(5) == 0.0
+    assert p.wait(5, extra=3) == 0.0  # the fourth job still finds a slot
+    assert p.wait(5, extra=4) == 1.0  # the fifth waits for the first to finish
+
+
+def test_running_requests_free_their_slots_in_order():
+    p = project([worker(free_at=(3.0, 1.0), slots=2, job_s=10.0)], {5: 2})
+    # queued jobs take the slots freed at 1 s and 3 s; a new job waits for the first of them: 11 s
+    assert p.starts[:3] == (1.0, 3.0, 11.0)
+    assert p.wait(5) == 11.0
+    assert p.drain_s() == 11.0
+
+
+def test_a_more_urgent_class_waits_only_behind_its_own_and_higher():
+    p = project([worker(free_at=(2.0,), slots=1, job_s=2.0)], {9: 1, 5: 3, 0: 10})
+    assert p.ahead == {9: 1, 8: 1, 7: 1, 6: 1, 5: 4, 4: 4, 3: 4, 2: 4, 1: 4, 0: 14}
+    assert p.wait(9) == 4.0  # behind one class-9 job: slot at 2 s, next at 4 s
+    assert p.wait(5) == 10.0  # behind 4 jobs
+    assert p.wait(0) == 30.0  # behind 14 jobs
+
+
+def test_engine_waiting_requests_count_as_queued():
+    p = project([worker(free_at=(1.0,), slots=1, job_s=1.0, waiting={5: 2})], {})
+    assert p.ahead[5] == 2
+    assert p.wait(5) == 3.0
+
+
+def test_two_workers_share_the_queue():
+    p = project([worker(slots=1, job_s=2.0), worker(slots=1, job_s=4.0)], {5: 3})
+    # starts: 0 (w0), 0 (w1), 2 (w0), 4 (w0 or w1): the new job is the fourth
+    assert p.wait(5) == 4.0
+
+
+def test_a_long_queue_is_extrapolated_at_the_steady_rate():
+    p = project([worker(slots=10, job_s=5.0)], {5: 1_000_000})
+    assert math.isclose(p.wait(5), 1_000_000 / 2.0, rel_tol=1e-3)  # 10 slots / 5 s = 2 jobs per second
+
+
+def test_no_worker_means_no_projection():
+    assert project([], {5: 10}).wait(5) is None
+
+
+def test_an_outlook_from_a_heartbeat():
+    beat = {
+        "recent_step_s": 0.1,
+        "outlook": {"finish_steps": [10, 30], "running": 4, "slots": 6, "waiting": {"7": 2}, "mean_output": 20},
+    }
+    w = WorkerOutlook.of(beat)
+    assert w is not None
+    assert w.slots == 6 and w.job_s == 2.0 and w.waiting == {7: 2}
+    assert sorted(w.free_at) == [1.0, 1.0, 3.0, 3.0]  # two points stand for four requests
+    assert WorkerOutlook.of({"running": 1}) is None  # a worker from before outlooks
