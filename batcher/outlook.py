@@ -42,5 +42,14 @@ def outlook(batcher: Batcher) -> dict:
         "running": running,
         "slots": running + batcher.room_for(),
         "waiting": waiting,
-        "mean_output": round(batcher.stats.mean_output, 1),
+        "mean_output": round(mean_output(batcher), 1),
     }
+
+
+def mean_output(batcher: Batcher) -> float:
+    """Recent finished requests' mean output; before any has finished, what the ones in hand ask
+    for (a cold worker's first flood is what the queue behind it holds more of)."""
+    if batcher.stats.finished:
+        return batcher.stats.mean_output
+    asked = [r.max_new_tokens for r in (*batcher.running.values(), *batcher.waiting)]
+    return sum(asked) / len(asked) if asked else 0.0

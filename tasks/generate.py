@@ -8,9 +8,12 @@ to the engine hosted by the worker (see app/worker/) and waits.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
+from datetime import datetime
 
 from celery import shared_task
 from celery.exceptions import Ignore, Reject
+from celery.signals import task_revoked
 
 from .contract import TASK_NAME
 from .request import RequestError, parse_request
@@ -39,6 +42,8 @@ def generate(self, request: dict) -> dict:
         log.warning("job %s refused: %s", job_id, e)
         host.fail(job_id, e)
         raise
+    if job.deadline is None and (expires := _unix(self.request.expires)) is not None:
+        job = replace(job, deadline=expires)  # Celery's `expires`: the engine's queue honours it too
     tag = (self.request.delivery_info or {}).get("delivery_tag")
     try:
         return host.run(job_id, job, tag)
@@ -51,3 +56,23 @@ def generate(self, request: dict) -> dict:
         # Celery acks a failed task: end the job (once) so that no reader waits on it forever
         host.fail_job(job_id, f"{type(e).__name__}: {e}")
         raise
+
+
+def _unix(expires: object) -> float | None:
+    """Celery's `expires` header (ISO 8601 text, or a datetime) in unix seconds."""
+    if isinstance(expires, str):
+        try:
+            expires = datetime.fromisoformat(expires)
+        except ValueError:
+            return None
+    return expires.timestamp() if isinstance(expires, datetime) else None
+
+
+@task_revoked.connect
+def _expired(sender=None, request=None, expired: bool = False, **kwargs) -> None:
+    """Celery dropped a message whose `expires` had passed before a worker took it: end its job
+    (an error naming `deadline`), so that nobody waits on it and the lost-job sweep never re-sends it."""
+    host = getattr(getattr(sender, "app", None), "weightq_host", None)
+    if not expired or host is None or getattr(sender, "name", None) != TASK_NAME or request is None:
+        return
+    host.fail(request.id, RequestError("deadline", "it passed before the job could start (Celery's expires)"))

@@ -28,6 +28,7 @@ MAX_REPLAY = 20_000  # jobs replayed one by one; the rest extrapolated
 BEYOND = 2048  # ... past those queued now: the jobs submitted until the next projection
 DEFAULT_STEP_S = 0.05  # a worker that has not stepped yet: a guess, replaced at its first heartbeat
 DEFAULT_OUTPUT = 64  # ... and no finished request yet: the job door's default max_new_tokens
+MAX_AGE_S = 5.0  # a heartbeat is moved on by its age, up to this
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,11 @@ class WorkerOutlook:
     waiting: Mapping[int, int] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, stats: Mapping) -> WorkerOutlook | None:
-        """From a heartbeat (None without an outlook: a worker older than this code)."""
+    def of(cls, stats: Mapping, now: float | None = None) -> WorkerOutlook | None:
+        """From a heartbeat (None without an outlook: a worker older than this code), moved on to
+        `now`: its requests are that much nearer their end (the heartbeat is up to a second old, and
+        the jobs the worker took from the queue meanwhile are in neither: `project` lets the slots
+        freed since go to them)."""
         o = stats.get("outlook")
         if not isinstance(o, Mapping):
             return None
@@ -53,7 +57,8 @@ class WorkerOutlook:
         points = [int(x) for x in o.get("finish_steps", ())]
         running = int(o.get("running", len(points)))
         # each published point stands for running / len(points) requests (quantiles of a large batch)
-        free_at = [points[(i * len(points)) // running] * step_s for i in range(running)] if points else []
+        age = min(MAX_AGE_S, max(0.0, (now or 0.0) - float(stats.get("ts") or now or 0.0)))
+        free_at = [points[(i * len(points)) // running] * step_s - age for i in range(running)] if points else []
         mean = float(o.get("mean_output") or 0.0) or DEFAULT_OUTPUT
         slots = max(int(o.get("slots", running)), running, 1)
         waiting = {int(k): int(v) for k, v in (o.get("waiting") or {}).items()}
@@ -103,12 +108,15 @@ def project(workers: list[WorkerOutlook], queued: Mapping[int, int]) -> Projecti
         heap.extend((0.0, i) for _ in range(w.slots - len(busy)))
         heap.extend((t, i) for t in busy)
     heapq.heapify(heap)
+    while total and heap and heap[0][0] < 0:  # freed since the heartbeats: taken by jobs the queue no longer holds
+        t, i = heapq.heappop(heap)
+        heapq.heappush(heap, (t + workers[i].job_s, i))
     starts: list[float] = []
     for _ in range(min(total + 1 + BEYOND, MAX_REPLAY)):
         if not heap:
             break
         t, i = heapq.heappop(heap)
-        starts.append(t)
+        starts.append(max(0.0, t))
         heapq.heappush(heap, (t + workers[i].job_s, i))
     rate = sum(w.slots / w.job_s for w in workers)
     return Projection(tuple(starts), rate, ahead, len(workers))

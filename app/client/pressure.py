@@ -1,9 +1,17 @@
 """Backpressure at submission: a job whose projected wait (backlog.py) is past MAX_QUEUE_WAIT_S, or
 past its own deadline, is refused before anything is written, with when to come back. The client
-checks it in submit_many; the gateway once per HTTP request (answering 429 with Retry-After)."""
+checks it in submit_many; the gateway once per HTTP request (answering 429 with Retry-After).
+
+A Retry-After is kept as a promise. Under a flood that goes on, a refused caller that comes back
+when told would find the queue full again of the jobs that arrived meanwhile, and be refused again
+and again: its real wait many times what it was told. So each refusal reserves the slot it was
+promised: a job submitted now waits behind the refused jobs due back within the bound (they will
+queue before it starts), and a refusal's Retry-After counts every promise still out ahead of it.
+Promises are this process's (a gateway's): several gateways each keep their own."""
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 import time
@@ -33,6 +41,7 @@ class Backpressure:
         self._projection: Projection | None = None
         self._taken = 0.0
         self._since: Counter[int] = Counter()  # class -> jobs accepted since the projection
+        self._promised: list[tuple[float, int]] = []  # (unix s a refused job was told to return, class)
 
     def projection(self) -> Projection:
         with self._lock:
@@ -48,10 +57,11 @@ class Backpressure:
         for key in priority_queues(queue):
             pipe.llen(key)
         beats, *depths = pipe.execute()
+        now = time.time()
         outlooks = [
             o
-            for w in live_workers(beats).values()
-            if (w.get("queue") or queue) == queue and (o := WorkerOutlook.of(w)) is not None
+            for w in live_workers(beats, now).values()
+            if (w.get("queue") or queue) == queue and (o := WorkerOutlook.of(w, now)) is not None
         ]
         queued = {MAX_PRIORITY - i: n for i, n in enumerate(depths) if n}
         return project(outlooks, queued)
@@ -66,19 +76,30 @@ class Backpressure:
         proj = self.projection()
         now = time.time()
         with self._lock:
+            elapsed = max(0.0, min(self.REFRESH_S, time.monotonic() - self._taken))  # since the projection
             since = dict(self._since)
+            self._promised = self._promised[bisect.bisect_right(self._promised, (now, MAX_PRIORITY + 1)) :]
+            promised = list(self._promised)
         for k, job in enumerate(sorted(jobs, key=lambda j: -j.priority)):
-            ahead = k + sum(n for cls, n in since.items() if cls >= job.priority)
-            wait = proj.wait(job.priority, ahead)
-            if wait is None:  # no worker to project from: jobs wait in the queue for one, as always
+            ahead = proj.ahead.get(job.priority, 0) + k + sum(n for cls, n in since.items() if cls >= job.priority)
+            if not proj.workers:  # no worker to project from: jobs wait in the queue for one, as always
                 break
-            if bound > 0 and wait > bound:
-                raise Overloaded(
-                    f"overloaded: a job of priority {job.priority} would wait {_s(wait)} for a worker, past "
-                    f"MAX_QUEUE_WAIT_S={bound:g}; retry after {_retry(wait - bound)} s",
-                    wait,
-                    _retry(wait - bound),
-                )
+            wait = max(0.0, proj.start(ahead) - elapsed)
+            if bound > 0:
+                due = [at - now + elapsed for at, cls in promised if cls >= job.priority]  # from the projection
+                if wait > bound or not kept(proj, ahead + 1, due, bound):
+                    # its turn: behind every refused job told to come back before it
+                    last = max(due, default=0.0)
+                    retry = _retry(max(proj.start(ahead + len(due)) - bound, last) - elapsed)
+                    with self._lock:
+                        bisect.insort(self._promised, (now + retry, job.priority))
+                    raise Overloaded(
+                        f"overloaded: a job of priority {job.priority} would wait {_s(wait)} for a worker (or take "
+                        f"the turn of a job refused before it), past MAX_QUEUE_WAIT_S={bound:g}; retry after "
+                        f"{retry} s",
+                        wait,
+                        retry,
+                    )
             if job.deadline is not None and now + wait > job.deadline:
                 left = job.deadline - now
                 raise DeadlineUnreachable(
@@ -89,6 +110,12 @@ class Backpressure:
                 )
         with self._lock:
             self._since.update(job.priority for job in jobs)
+
+
+def kept(proj: Projection, first: int, due: list[float], bound: float) -> bool:
+    """Whether each refused job, coming back as told (`due`: seconds from the projection,
+    ascending) behind `first` jobs and the ones told before it, still starts within the bound."""
+    return all(proj.start(first + i) - at <= bound for i, at in enumerate(sorted(due)))
 
 
 def _s(wait: float) -> str:

@@ -12,6 +12,7 @@ import pytest
 from weightq.cli.processes import GatewayProcess
 from weightq.client import Client, DeadlineUnreachable, JobExpired, Overloaded
 from weightq.settings import Settings
+from weightq.tasks.contract import TASK_NAME
 
 # 40 ms a step: a 48-token job holds its slot ~2 s; a 512-token budget runs about 8 of them at once
 SLOW = {
@@ -62,12 +63,15 @@ def test_a_deadline_that_passes_in_the_queue_ends_the_job_unrun(service):
     # no worker yet: nothing to project from, so it is accepted and waits in the queue
     job = service.client.submit(prompt_token_ids=[1, 2, 3], max_new_tokens=8, expires=1.0)
     on_time = service.client.submit(prompt_token_ids=[1, 2, 3], max_new_tokens=8, expires=600)
+    # a Celery caller by name, with Celery's own `expires`: Celery drops it unrun, and its job ends
+    service.client.app.send_task(TASK_NAME, args=[{"prompt": "by name"}], task_id="by-name-1", expires=1.0)
     time.sleep(1.5)
     service.worker(**SLOW).wait_ready()
-    with pytest.raises(JobExpired) as expired:
-        job.result(timeout=120)
-    assert expired.value.field == "deadline"
-    assert not [e for e in job.events() if e.type == "token"]  # it never ran
+    for expiring in (job, service.client.job("by-name-1")):
+        with pytest.raises(JobExpired) as expired:
+            expiring.result(timeout=120)
+        assert expired.value.field == "deadline"
+        assert not [e for e in expiring.events() if e.type == "token"]  # it never ran
     assert on_time.result(timeout=120)["usage"]["completion_tokens"] == 8
 
 

@@ -65,3 +65,30 @@ def test_an_outlook_from_a_heartbeat():
     assert w.slots == 6 and w.job_s == 2.0 and w.waiting == {7: 2}
     assert sorted(w.free_at) == [1.0, 1.0, 3.0, 3.0]  # two points stand for four requests
     assert WorkerOutlook.of({"running": 1}) is None  # a worker from before outlooks
+
+
+def test_refusals_are_promised_slots_in_turn():
+    """Under a flood, each refused job is told a later time, one job's share of the rate apart, and
+    the jobs it was promised room for keep fresh arrivals out of it."""
+    import time
+
+    import pytest
+    from weightq.client.backlog import Overloaded, Projection
+    from weightq.client.pressure import Backpressure
+    from weightq.settings import Settings
+    from weightq.tasks.request import JobRequest
+
+    pressure = Backpressure(None, Settings(max_queue_wait_s=10.0))  # type: ignore[arg-type]
+    # one slot freeing every 0.5 s from now on, 40 jobs queued: a new one waits 20 s
+    pressure._projection = Projection(tuple(0.5 * k for k in range(200)), 2.0, {5: 40, 9: 0}, workers=1)
+    pressure._taken = float("inf")  # never refreshed
+    job = JobRequest(prompt="x")
+    retry_afters = []
+    for _ in range(6):
+        with pytest.raises(Overloaded) as e:
+            pressure.admit([job])
+        retry_afters.append(e.value.retry_after_s)
+    assert retry_afters[0] == 10  # 20 s to a slot (the 41st start), less the 10 s bound
+    assert retry_afters == sorted(retry_afters) and retry_afters[-1] >= retry_afters[0] + 2  # in turn
+    pressure.admit([JobRequest(prompt="x", priority=9)])  # an urgent job is behind none of them
+    assert len(pressure._promised) == 6 and all(at > time.time() for at, _ in pressure._promised)
