@@ -16,7 +16,7 @@ from weightq.cli.processes import GatewayProcess, WorkerProcess
 from weightq.cli.redis_server import EmbeddedRedis
 from weightq.client import Client
 from weightq.settings import Settings
-from weightq.tasks.contract import LEASES, STREAM_TICK, job_key, stream_key
+from weightq.tasks.contract import LEASES, QUEUED, STREAM_TICK, job_key, stream_key
 from weightq.transport import priority_queues
 
 from tests.service.test_crash_resume import check_one_generation
@@ -46,8 +46,8 @@ def plane(redis_url, data_url, tmp_path):
         client = Client(redis_url, settings=Settings(redis_url=redis_url, streams_redis_url=data_url))
 
         @staticmethod
-        def worker(name: str) -> WorkerProcess:
-            w = WorkerProcess(redis_url, name, tmp_path, streams_redis_url=data_url, **WORKER)
+        def worker(name: str, **settings) -> WorkerProcess:
+            w = WorkerProcess(redis_url, name, tmp_path, streams_redis_url=data_url, **(WORKER | settings))
             workers.append(w)
             return w
 
@@ -133,3 +133,15 @@ def test_a_killed_workers_jobs_resume_elsewhere_with_the_plane_split(plane):
             assert resumed_from[0] == 0 and resumed_from[-1] > 0, (job_id, resumed_from)
     assert "is dead" in workers[survivor].log()
     assert not plane.broker.hlen("unacked"), plane.broker.hkeys("unacked")
+
+
+def test_a_job_whose_message_the_broker_lost_is_sent_again_from_the_streams_redis(plane):
+    """The message gone from the broker (a broker crash between BRPOP and kombu's bookkeeping), the job
+    still queued on the streams' Redis: the recovery sweep finds it in neither the broker's lists nor
+    its unacked messages, twice, and sends it again from the request kept in the job hash."""
+    job = plane.client.submit("lost on the broker", max_new_tokens=5, request_id="lost-split")
+    assert plane.broker.rpop(priority_queues("weightq")[4]) is not None  # the default class, 5
+    plane.worker("lost@test", lost_job_grace_s=1, recover_interval_s=1).wait_ready()
+    result = job.result(timeout=60)
+    assert result["usage"]["completion_tokens"] == 5 and result["attempt"] == 1
+    assert plane.data.zscore(QUEUED, "lost-split") is None
