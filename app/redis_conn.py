@@ -1,5 +1,6 @@
 """How every part of weightq opens Redis, so that one REDIS_URL serves a plain server, TLS, a unix
-socket or a Sentinel-managed group alike.
+socket or a Sentinel-managed group alike; STREAMS_REDIS_URL, when set, takes the token streams and job
+state (every weightq:* key) to another server in any of these forms (README, "The token plane").
 
 Sentinel URLs are kombu's and Celery's own form, so the same value configures the broker, the result
 backend and weightq's clients:
@@ -148,6 +149,12 @@ def connect(url: str, settings: Settings, **kw) -> redis.Redis:
     return _master_for(Sentinel, url, settings, connection_class=FailoverAwareConnection, **kw)
 
 
+def connect_streams(settings: Settings, broker_url: str | None = None, **kw) -> redis.Redis:
+    """A client of the Redis that holds the token streams and job state: STREAMS_REDIS_URL, else the
+    broker's (`broker_url`, default REDIS_URL)."""
+    return connect(settings.resolved_streams_url(broker_url), settings, **kw)
+
+
 def connect_async(url: str, settings: Settings, **kw) -> aredis.Redis:
     """The asyncio client of the master (the gateway's stream reads)."""
     if not is_sentinel(url):
@@ -158,7 +165,9 @@ def connect_async(url: str, settings: Settings, **kw) -> aredis.Redis:
 def _master_for(sentinel_class, url: str, settings: Settings, **kw):
     t = parse_sentinel(url)
     sentinel = sentinel_class(list(t.sentinels), sentinel_kwargs=_sentinel_kwargs(settings))
-    return sentinel.master_for(settings.redis_sentinel_master, db=t.db, username=t.username, password=t.password, **kw)
+    # STREAMS_REDIS_URL may name another group, watched by the same sentinels or others
+    master = settings.streams_master() if url == settings.streams_redis_url else settings.redis_sentinel_master
+    return sentinel.master_for(master, db=t.db, username=t.username, password=t.password, **kw)
 
 
 def celery_options(url: str, settings: Settings) -> dict:

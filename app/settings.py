@@ -29,6 +29,10 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(frozen=True, extra="ignore", env_ignore_empty=True, case_sensitive=False)
 
     redis_url: str = ""  # empty: the embedded Redis (its URL is recorded under WEIGHTQ_HOME)
+    # The token plane (streams, job state: every weightq:* key) on a Redis of its own, so that Celery's
+    # broker (REDIS_URL) and the streams each get a server's core; empty: REDIS_URL. Same URL forms.
+    streams_redis_url: str = ""
+    streams_sentinel_master: str = ""  # a sentinel:// STREAMS_REDIS_URL's group (empty: REDIS_SENTINEL_MASTER)
     model: str = "builtin:tiny"
     device: str = "auto"
     dtype: str = "auto"
@@ -168,3 +172,11 @@ class Settings(BaseSettings):
         if recorded.exists():
             return recorded.read_text().strip()
         return "redis://127.0.0.1:6379/0"
+
+    def resolved_streams_url(self, broker_url: str | None = None) -> str:
+        """STREAMS_REDIS_URL, else the broker's URL (`broker_url`, default REDIS_URL resolved)."""
+        return self.streams_redis_url or broker_url or self.resolved_redis_url()
+
+    def streams_master(self) -> str:
+        """The Sentinel group of the streams' Redis (the broker's when it is the same server)."""
+        return (self.streams_redis_url and self.streams_sentinel_master) or self.redis_sentinel_master

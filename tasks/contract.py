@@ -1,7 +1,9 @@
 """The job contract: how a client, the gateway and a worker meet in Redis. Readers and the writer
 import it; nothing else spells a key, an entry type or the task name.
 
-Keys (all expire; see Settings):
+Keys (all expire; see Settings), every one on the token plane's Redis (STREAMS_REDIS_URL, else REDIS_URL):
+the Lua scripts below touch them together, so they never span two servers; Celery's own keys (the
+queue's lists, unacked messages, results) stay on the broker's (REDIS_URL).
   weightq:stream:{id}  a Redis Stream of the job's entries, oldest first:
       {"type": "attempt", "attempt": n, "from": k}       written first by every run of the job: it
                                                          resumes after the k tokens already in the stream

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import redis
-from weightq.redis_conn import connect
+from weightq.redis_conn import connect_streams
 from weightq.settings import Settings
 from weightq.tasks.contract import HEARTBEATS
 
@@ -36,7 +36,7 @@ class WorkerProcess:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        self.redis = connect(url, Settings.from_env(env))
+        self.redis = connect_streams(Settings.from_env(env))  # heartbeats live with the streams
 
     def wait_ready(self, timeout: float = 300) -> WorkerProcess:
         deadline = time.monotonic() + timeout

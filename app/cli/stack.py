@@ -20,7 +20,7 @@ from typing import IO
 
 import redis
 from weightq.metrics import live_workers
-from weightq.redis_conn import connect, redacted
+from weightq.redis_conn import connect_streams, redacted
 from weightq.settings import Settings
 from weightq.tasks.contract import HEARTBEATS
 
@@ -96,7 +96,7 @@ class Stack:
         """Until a worker's heartbeat is in Redis and the gateway answers; returns the worker's stats."""
         import httpx
 
-        r = connect(self.url, self.settings, socket_timeout=5)
+        r = connect_streams(self.settings, self.url, socket_timeout=5)  # the heartbeats
         deadline = time.monotonic() + timeout
         while True:
             self.check_children()
@@ -119,7 +119,7 @@ class Stack:
         return f" (logs in {self.log_dir})" if self.log_dir else ""
 
     def worker_stats(self) -> dict:
-        r = connect(self.url, self.settings, socket_timeout=5)
+        r = connect_streams(self.settings, self.url, socket_timeout=5)  # the heartbeats
         workers = live_workers(r.hgetall(HEARTBEATS))
         return next(iter(workers.values()), {})
 

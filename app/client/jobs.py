@@ -154,13 +154,18 @@ class Job:
 
 
 class Client:
+    """`redis_url` is the broker's (default REDIS_URL); the jobs' state and streams are on
+    STREAMS_REDIS_URL's Redis when the settings name one, else on the broker's: `redis` and `reader`
+    reach them, `broker` the queue."""
+
     def __init__(self, redis_url: str | None = None, *, settings: Settings | None = None) -> None:
         self.settings = settings or Settings.from_env()
         url = redis_url or self.settings.resolved_redis_url()
-        self.url = url
-        self.redis = connect(url, self.settings, socket_timeout=30)
+        self.url, self.streams_url = url, self.settings.resolved_streams_url(url)
+        self.redis = connect(self.streams_url, self.settings, socket_timeout=30)
         # XREAD blocks up to 1 s: keep the socket timeout well above it (see FACTS: redis-py 8).
-        self.reader = connect(url, self.settings, socket_timeout=30)
+        self.reader = connect(self.streams_url, self.settings, socket_timeout=30)
+        self.broker = self.redis if self.streams_url == url else connect(url, self.settings, socket_timeout=30)
         self.durable = Durable(self.redis, self.settings.redis_wait_replicas, self.settings.redis_wait_timeout_ms)
         self.backpressure = Backpressure(self.redis, self.settings)
         self.submit_script = self.redis.register_script(SUBMIT)

@@ -71,6 +71,7 @@ def create_app(settings: Settings | None = None, url: str | None = None) -> Fast
     def health() -> Response:
         try:
             gw.client.redis.ping()
+            gw.client.broker.ping()  # the same server unless STREAMS_REDIS_URL is set
         except redis.RedisError as e:
             return JSONResponse({"status": "redis unreachable", "error": str(e)}, status_code=503)
         n = len(gw.workers())

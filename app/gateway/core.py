@@ -83,13 +83,14 @@ class Gateway:
     # ----- plumbing -----------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
-        self.hub = StreamHub(self.url, self.settings)
+        self.hub = StreamHub(self.client.streams_url, self.settings)
         await self.hub.start()
         # Ready: what is alive now (libraries, routes) goes to the permanent generation, so full
         # collections scan only what requests create (as the worker does: engine/heap.py).
         gc.collect()
         gc.freeze()
-        log.info("weightq gateway: Redis %s, model %s", redacted(self.url), self.model)
+        streams = "" if self.client.streams_url == self.url else f", streams on {redacted(self.client.streams_url)}"
+        log.info("weightq gateway: Redis %s%s, model %s", redacted(self.url), streams, self.model)
         try:
             yield
         finally:
@@ -105,7 +106,7 @@ class Gateway:
         """Per class, the jobs waiting on this gateway's queue and on every queue a live worker serves."""
         queues = {self.settings.queue, *(w.get("queue") or self.settings.queue for w in self.workers().values())}
         try:
-            return queue_depths(self.client.redis, queues)
+            return queue_depths(self.client.broker, queues)
         except redis.RedisError:
             return {}
 

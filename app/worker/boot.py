@@ -16,7 +16,7 @@ from celery.exceptions import ImproperlyConfigured
 from prometheus_client import CollectorRegistry, start_http_server
 from weightq.engine import AnyEngine, Engine, EngineProcess, freeze_startup_heap, own_process, serving_threads
 from weightq.metrics import EngineMetrics, WorkerCollector
-from weightq.redis_conn import Durable, connect
+from weightq.redis_conn import Durable, connect, connect_streams
 from weightq.settings import Settings
 
 from .host import WorkerHost
@@ -62,14 +62,13 @@ class EngineStep(bootsteps.StartStopStep):
         # A connection for every task thread, plus the host's loops and the stream writer: redis-py 8
         # caps a pool at 100 by default and then raises instead of waiting (at a warm shutdown, 128
         # task threads requeueing at once ran out). Named for the instance: its liveness (reaper.py).
-        client = connect(
-            settings.resolved_redis_url(),
-            settings,
-            socket_timeout=30,
-            health_check_interval=10,
-            max_connections=settings.concurrency + 16,
-            client_name=client_name(instance),
-        )
+        # The streams and job state may live on a Redis of their own (STREAMS_REDIS_URL): then a second
+        # client reaches the broker's keys (the reaper's restores, the lease's re-stamps, recovery).
+        broker_url = settings.resolved_redis_url()
+        named = {"socket_timeout": 30, "health_check_interval": 10, "client_name": client_name(instance)}
+        client = connect_streams(settings, broker_url, max_connections=settings.concurrency + 16, **named)
+        split = settings.resolved_streams_url(broker_url) != broker_url
+        broker = connect(broker_url, settings, **named) if split else client
         publisher = StreamPublisher(
             client,
             maxlen=settings.stream_maxlen,
@@ -85,7 +84,7 @@ class EngineStep(bootsteps.StartStopStep):
             engine = EngineProcess(config, sink=publisher, on_death=_exit_worker)
         else:
             engine = Engine(config, sink=publisher)
-        self.host = host = WorkerHost(settings, engine, publisher, client, worker.hostname, instance)
+        self.host = host = WorkerHost(settings, engine, publisher, client, worker.hostname, instance, broker)
         worker.app.weightq_host = host
         host.app = worker.app
         engine.start()

@@ -40,9 +40,12 @@ class WorkerHost:
         client: redis.Redis,
         hostname: str,
         instance: str | None = None,
+        broker: redis.Redis | None = None,
     ) -> None:
         self.settings, self.engine, self.publisher = settings, engine, publisher
-        self.redis, self.hostname = client, hostname
+        # `client` reaches the streams and job state, `broker` Celery's keys (the same server unless
+        # STREAMS_REDIS_URL is set)
+        self.redis, self.broker, self.hostname = client, broker or client, hostname
         self.instance = instance or new_instance(hostname)  # its Redis connections carry it (lease.py)
         self.inflight = InFlight()
         self.stopping = threading.Event()  # warm shutdown began: cancelled jobs go back to the queue
@@ -51,9 +54,9 @@ class WorkerHost:
         publisher.on_write_failed = engine.cancel  # a job whose stream Redis refuses stops generating
         self.consumer: Any = None  # Celery's consumer, once it exists (leases and prefetch)
         self.app: Any = None  # the Celery app (to re-send lost jobs)
-        self.sweeper = LostJobSweeper(settings, client, hostname, lambda: self.app)
+        self.sweeper = LostJobSweeper(settings, client, self.broker, hostname, lambda: self.app)
         self.lease = WorkerLease(client, settings, hostname, self.instance)
-        self.reaper = Reaper(client, settings, self.instance)
+        self.reaper = Reaper(client, self.broker, settings, self.instance)
         publisher.on_superseded = engine.cancel  # a job resumed elsewhere: stop this run of it
         self._threads: list[threading.Thread] = []
 
@@ -93,7 +96,7 @@ class WorkerHost:
             ("renew", renew),
             ("reap", reap),
             ("cancel", lambda: loops.cancel_loop(r, self.engine, self.inflight, stop)),
-            ("lease", lambda: loops.lease_loop(r, s, self.inflight, consumer, stop)),
+            ("lease", lambda: loops.lease_loop(self.broker, s, self.inflight, consumer, stop)),
             ("prefetch", lambda: loops.prefetch_loop(s, self.engine, self.inflight, consumer, self.stopping, stop)),
             ("recover", recover),
             ("heartbeat", lambda: loops.heartbeat_loop(r, self.hostname, self.stats, stop)),

@@ -31,8 +31,13 @@ log = logging.getLogger(__name__)
 
 
 class Reaper:
-    def __init__(self, client: redis.Redis, settings: Settings, instance: str) -> None:
-        self.redis, self.instance = client, instance
+    """`client` reaches the leases, the jobs and the worker connections that say who is alive (the
+    streams' Redis); `broker` the unacked messages it puts back (the same server unless
+    STREAMS_REDIS_URL is set). Charging comes first and the dead instance's records go last, so a
+    reaper that dies between the two servers' steps leaves the instance for the next one to finish."""
+
+    def __init__(self, client: redis.Redis, broker: redis.Redis, settings: Settings, instance: str) -> None:
+        self.redis, self.broker, self.instance = client, broker, instance
         self.interval_s = settings.lease_ttl_s / 4
         self.confirm_s = max(1.0, settings.lease_ttl_s / 2)
         self._charge = client.register_script(CHARGE)
@@ -78,7 +83,9 @@ class Reaper:
         taken with a poison one that crashed the worker at once). A live worker lists its messages
         within LEASE_TTL_S / 4."""
         r = self.redis
-        old = r.zrangebyscore(kombu_redis.Channel.unacked_index_key, "-inf", time.time() - 4 * self.interval_s)
+        old = self.broker.zrangebyscore(
+            kombu_redis.Channel.unacked_index_key, "-inf", time.time() - 4 * self.interval_s
+        )
         if not old:
             return []
         instances = [i.decode() for i in r.hkeys(LEASES)]
@@ -92,13 +99,13 @@ class Reaper:
         inside = {j.decode() for j in r.smembers(engine_jobs_key(instance))}
         tags = [t.decode() for t in r.smembers(held_key(instance))] + self._orphans()
         held = set()
-        for raw in r.hmget(kombu_redis.Channel.unacked_key, tags) if tags else []:
+        for raw in self.broker.hmget(kombu_redis.Channel.unacked_key, tags) if tags else []:
             if raw is not None:
                 held.add(kombu_redis.loads(kombu_redis.bytes_to_str(raw))[0].get("headers", {}).get("id"))
         jobs = sorted(inside) + sorted(held - inside - {None})
         flags = [x for j in jobs for x in (int(j in inside), j)]
         charged = self._charge(keys=[RESUMING, *(job_key(j) for j in jobs)], args=[instance, *flags])
-        resumed = restore_unacked(r, tags)
+        resumed = restore_unacked(self.broker, tags)
         r.pipeline().delete(engine_jobs_key(instance), held_key(instance)).hdel(LEASES, instance).execute()
         log.warning(
             "worker %s is dead: %d of its jobs go back to the queue, %d of them charged with the crash",

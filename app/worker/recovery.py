@@ -30,10 +30,19 @@ log = logging.getLogger(__name__)
 
 
 class LostJobSweeper:
+    """`client` reaches the jobs (the streams' Redis), `broker` the queue's lists and unacked messages
+    (the same server unless STREAMS_REDIS_URL is set): the sweep reads each apart and acts only on a
+    job missing from the broker in two sweeps in a row, so reading two servers at two moments is safe."""
+
     def __init__(
-        self, settings: Settings, client: redis.Redis, hostname: str, celery_app: Callable[[], object]
+        self,
+        settings: Settings,
+        client: redis.Redis,
+        broker: redis.Redis,
+        hostname: str,
+        celery_app: Callable[[], object],
     ) -> None:
-        self.settings, self.redis, self.hostname = settings, client, hostname
+        self.settings, self.redis, self.broker, self.hostname = settings, client, broker, hostname
         self.celery_app = celery_app  # the worker's Celery app, once it exists
         self._suspects: set[str] = set()  # lost-looking jobs seen by the last sweep
 
@@ -49,11 +58,11 @@ class LostJobSweeper:
             return []
         grace = time.time() - s.lost_job_grace_s
         lists = priority_queues(s.queue)  # lists[i] holds class MAX_PRIORITY - i
-        pipe = r.pipeline(transaction=False)
+        pipe = self.broker.pipeline(transaction=False)
         for name in lists:
             pipe.llen(name)
-        pipe.hgetall(STARTED_HW)
-        *lengths, marks = pipe.execute()
+        lengths = pipe.execute()
+        marks = r.hgetall(STARTED_HW)
         started = {int(k): float(v) for k, v in marks.items()}  # class -> latest submission started
         waiting = sum(lengths)
         cutoff = min(grace, max(started.values(), default=0.0)) if waiting else grace
@@ -126,10 +135,10 @@ class LostJobSweeper:
                     if needle in blob:
                         found.add(j)
 
-        scan(self.redis.hvals("unacked"))
+        scan(self.broker.hvals("unacked"))
         for name in lists:
-            for start in range(0, self.redis.llen(name), 1000):
-                scan(self.redis.lrange(name, start, start + 999))
+            for start in range(0, self.broker.llen(name), 1000):
+                scan(self.broker.lrange(name, start, start + 999))
         return found
 
 

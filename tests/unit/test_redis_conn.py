@@ -6,7 +6,7 @@ import pytest
 import redis
 from pydantic import ValidationError
 from weightq.celery_config import celery_config
-from weightq.redis_conn import NotReplicated, is_transient, parse_sentinel
+from weightq.redis_conn import NotReplicated, connect, connect_streams, is_transient, parse_sentinel
 from weightq.settings import Settings
 
 URL = "sentinel://:s3cret@10.0.0.1:26379/2;sentinel://10.0.0.2;sentinel://10.0.0.3:26380"
@@ -62,3 +62,21 @@ def test_logged_urls_hide_passwords():
     assert redacted(URL) == URL.replace("s3cret", "***")
     assert redacted("rediss://user:pw@h:1/0") == "rediss://user:***@h:1/0"
     assert redacted("redis://h:6379/0") == "redis://h:6379/0"
+
+
+def test_the_streams_redis_is_the_brokers_unless_set_and_may_be_another_sentinel_group():
+    broker = "sentinel://s1:26379/0"
+    same = Settings(redis_url=broker, redis_sentinel_master="jobs")
+    assert same.resolved_streams_url() == broker
+    assert connect_streams(same).connection_pool.service_name == "jobs"
+    assert Settings(redis_url="redis://b:1/0").resolved_streams_url("redis://other:2/0") == "redis://other:2/0"
+    split = Settings(
+        redis_url=broker, streams_redis_url="sentinel://s2:26379/1", redis_sentinel_master="jobs",
+        streams_sentinel_master="tokens",
+    )  # fmt: skip
+    assert split.resolved_streams_url() == "sentinel://s2:26379/1"
+    assert connect_streams(split).connection_pool.service_name == "tokens"
+    assert connect(broker, split).connection_pool.service_name == "jobs"
+    assert celery_config(split)["broker_url"] == broker  # Celery never sees the streams' Redis
+    unnamed = Settings(redis_url=broker, streams_redis_url="sentinel://s2:26379/1", redis_sentinel_master="jobs")
+    assert connect_streams(unnamed).connection_pool.service_name == "jobs"
