@@ -167,7 +167,7 @@ class Client:
         self.reader = connect(self.streams_url, self.settings, socket_timeout=30)
         self.broker = self.redis if self.streams_url == url else connect(url, self.settings, socket_timeout=30)
         self.durable = Durable(self.redis, self.settings.redis_wait_replicas, self.settings.redis_wait_timeout_ms)
-        self.backpressure = Backpressure(self.redis, self.settings)
+        self.backpressure = Backpressure(self.redis, self.broker, self.settings)
         self.submit_script = self.redis.register_script(SUBMIT)
         self.cancel_script = self.redis.register_script(CANCEL)
         self._app = None

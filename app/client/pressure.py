@@ -28,6 +28,12 @@ from weightq.transport import priority_queues
 
 from .backlog import DeadlineUnreachable, Overloaded, Projection, WorkerOutlook, project
 
+# A refused job is told to come back when its projected wait will be this share of the bound (and a
+# new job is refused if it would push a promised one past the bound itself): the slack takes the
+# projection's drift over the wait (a worker slower than its last second), so that most come back
+# once, not twice.
+PROMISED = 0.8
+
 
 class Backpressure:
     """The projection of a moment ago (REFRESH_S), plus the jobs this process accepted since, which
@@ -35,8 +41,8 @@ class Backpressure:
 
     REFRESH_S = 0.25
 
-    def __init__(self, client: redis.Redis, settings: Settings) -> None:
-        self.redis, self.settings = client, settings
+    def __init__(self, streams: redis.Redis, broker: redis.Redis, settings: Settings) -> None:
+        self.redis, self.broker, self.settings = streams, broker, settings  # heartbeats; the queue
         self._lock = threading.Lock()
         self._projection: Projection | None = None
         self._taken = 0.0
@@ -52,11 +58,11 @@ class Backpressure:
 
     def _project(self) -> Projection:
         queue = self.settings.queue
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hgetall(HEARTBEATS)
+        pipe = self.broker.pipeline(transaction=False)
         for key in priority_queues(queue):
             pipe.llen(key)
-        beats, *depths = pipe.execute()
+        depths = pipe.execute()
+        beats = self.redis.hgetall(HEARTBEATS)
         now = time.time()
         outlooks = [
             o
@@ -87,10 +93,12 @@ class Backpressure:
             wait = max(0.0, proj.start(ahead) - elapsed)
             if bound > 0:
                 due = [at - now + elapsed for at, cls in promised if cls >= job.priority]  # from the projection
+                promise = bound * PROMISED
+                # fresh jobs may use the slack up to the bound itself: a returning job is told of none
                 if wait > bound or not kept(proj, ahead + 1, due, bound):
                     # its turn: behind every refused job told to come back before it
                     last = max(due, default=0.0)
-                    retry = _retry(max(proj.start(ahead + len(due)) - bound, last) - elapsed)
+                    retry = _retry(max(proj.start(ahead + len(due)) - promise, last) - elapsed)
                     with self._lock:
                         bisect.insort(self._promised, (now + retry, job.priority))
                     raise Overloaded(

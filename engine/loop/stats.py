@@ -26,7 +26,9 @@ class Meter:
             "overflow_steps": 0,  # steps whose batch held more KV tokens than the budget (must stay 0)
         }
         self._rate = {"t": time.monotonic(), "prefill": 0, "decode": 0, "prefill_tok_s": 0.0, "decode_tok_s": 0.0}
-        self._steps = {"n": 0, "s": 0.0, "step_s": 0.0}  # the mean step time of the last second or so
+        # the mean time from one step to the next over the last second or so: the step and the loop's
+        # own time around it (a projected wait counts in these: backlog.py), not an idle gap
+        self._steps = {"n": 0, "s": 0.0, "step_s": 0.0, "last": 0.0}
         self._occupied_s = 0.0
         self._occupied_since: float | None = None
 
@@ -54,12 +56,13 @@ class Meter:
         c["forward_s"] += forward_s
         c["step_s"] += step_s
         st = self._steps
-        st["n"] += 1
-        st["s"] += step_s
+        now = time.monotonic()
+        gap = now - st["last"] if st["last"] else step_s
+        st["n"], st["last"] = st["n"] + 1, now
+        st["s"] += gap if gap <= 4 * step_s + 0.01 else step_s
         r = self._rate
         r["prefill"] += prefill
         r["decode"] += decode
-        now = time.monotonic()
         if now - r["t"] >= 1.0:  # rates over the last second or so
             span = now - r["t"]
             r["prefill_tok_s"], r["decode_tok_s"] = r["prefill"] / span, r["decode"] / span

@@ -78,7 +78,7 @@ def test_refusals_are_promised_slots_in_turn():
     from weightq.settings import Settings
     from weightq.tasks.request import JobRequest
 
-    pressure = Backpressure(None, Settings(max_queue_wait_s=10.0))  # type: ignore[arg-type]
+    pressure = Backpressure(None, None, Settings(max_queue_wait_s=10.0))  # type: ignore[arg-type]
     # one slot freeing every 0.5 s from now on, 40 jobs queued: a new one waits 20 s
     pressure._projection = Projection(tuple(0.5 * k for k in range(200)), 2.0, {5: 40, 9: 0}, workers=1)
     pressure._taken = float("inf")  # never refreshed
@@ -88,7 +88,7 @@ def test_refusals_are_promised_slots_in_turn():
         with pytest.raises(Overloaded) as e:
             pressure.admit([job])
         retry_afters.append(e.value.retry_after_s)
-    assert retry_afters[0] == 10  # 20 s to a slot (the 41st start), less the 10 s bound
+    assert retry_afters[0] == 12  # 20 s to a slot (the 41st start), less 0.8 of the 10 s bound (PROMISED)
     assert retry_afters == sorted(retry_afters) and retry_afters[-1] >= retry_afters[0] + 2  # in turn
     pressure.admit([JobRequest(prompt="x", priority=9)])  # an urgent job is behind none of them
     assert len(pressure._promised) == 6 and all(at > time.time() for at, _ in pressure._promised)
