@@ -198,6 +198,16 @@ def priority_queues(queue: str) -> list[str]:
     return [queue] + [f"{queue}{kombu_redis.Channel.sep}{p}" for p in range(1, 10)]
 
 
+def waiting_counts(client: redis.Redis, queues: list[str]) -> list[int]:
+    """Messages waiting in each queue (all its priority lists), in one round trip."""
+    pipe = client.pipeline(transaction=False)
+    for q in queues:
+        for key in priority_queues(q):
+            pipe.llen(key)
+    lengths, n = pipe.execute(), len(priority_queues(""))
+    return [sum(lengths[i * n : (i + 1) * n]) for i in range(len(queues))]
+
+
 class Channel(StaleChannelSafe, kombu_redis.Channel):
     pass
 
