@@ -109,7 +109,7 @@ class WorkerHost:
         """Jobs this worker could take now: the engine's room, less messages taken but not yet in it."""
         if self.stopping.is_set() or self.inflight.exclusive or self.consumer is None:
             return 0
-        pending = len(loops.delivered_tags(self.inflight, self.consumer)) - len(self.inflight)
+        pending = loops.taken_not_started(self.inflight, self.consumer)
         return max(0, min(self.engine.room_for(), self.settings.concurrency - len(self.inflight)) - pending)
 
     def recover_lost_jobs(self) -> list[str]:
@@ -125,6 +125,7 @@ class WorkerHost:
             "stolen": self.affinity.stolen,
             "drained": self.affinity.drained,
             "idle_queued_s": round(self.affinity.idle_queued_s, 2),
+            "room": self.room(),  # jobs it could take now
             "served_model": s.served_model_name or s.model,
         }
         if self.publisher.metrics is not None:
