@@ -22,6 +22,7 @@ import logging
 from collections.abc import Callable
 
 import redis
+from weightq.metrics import live_workers
 from weightq.settings import Settings
 from weightq.tasks.contract import HEARTBEATS, MOVE_QUEUED, WORKER_QUEUES, lease_key, worker_queue
 from weightq.transport import priority_queues, waiting_counts
@@ -84,18 +85,18 @@ class Affinity:
         pipe = self.redis.pipeline(transaction=False)
         for entry in queues.values():
             pipe.exists(lease_key(entry.get("instance", "")))
-            pipe.hexists(HEARTBEATS, entry.get("hostname", ""))
-        flags = pipe.execute()
+        leased = pipe.execute()
         moved = 0
-        for i, (q, entry) in enumerate(queues.items()):
-            if flags[2 * i]:
+        for (q, entry), alive in zip(queues.items(), leased, strict=True):
+            if alive:
                 continue  # alive (or paused: its lease is renewed by a thread of its own)
             n = self.move(q, self.settings.queue)
             if n:
                 log.warning("worker %s is gone: %d jobs of its queue go to the shared queue", entry.get("hostname"), n)
             moved += n
-            if not flags[2 * i + 1] and not waiting_counts(self.redis, [q])[0]:
-                self.redis.hdel(WORKER_QUEUES, q)
+            routed = live_workers(self.redis.hgetall(HEARTBEATS)).get(entry.get("hostname", ""), {})
+            if routed.get("own_queue") != q and not waiting_counts(self.redis, [q])[0]:
+                self.redis.hdel(WORKER_QUEUES, q)  # no client routes there any more (no fresh heartbeat)
         self.drained += moved
         return moved
 

@@ -54,3 +54,21 @@ def test_rendezvous_is_stable_balanced_and_moves_only_a_leaving_workers_keys():
     moved = [k for k in keys if rendezvous(k, more)[0] != first[k]]
     assert all(rendezvous(k, more)[0] == "w4@host" for k in moved)
     assert 0.15 < len(moved) / len(keys) < 0.25
+
+
+def test_a_worker_consumes_its_own_queue_first_unless_affinity_is_off(monkeypatch):
+    from types import SimpleNamespace
+
+    from celery import Celery
+    from weightq.worker.affinity import consume_own_queue
+
+    def queues_of(affinity: str) -> list[str]:
+        monkeypatch.setenv("AFFINITY", affinity)
+        app = Celery("t", set_as_current=False)
+        app.conf.task_default_queue = "weightq"
+        app.amqp.queues.select(["weightq"])
+        consume_own_queue("gpu1@host", SimpleNamespace(app=app))
+        return list(app.amqp.queues.consume_from)
+
+    assert queues_of("1") == ["weightq.w.gpu1@host", "weightq"]
+    assert queues_of("0") == ["weightq"]
