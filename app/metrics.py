@@ -120,6 +120,8 @@ COUNTERS = (
     ("decode_tokens", "weightq_decode_tokens", "Tokens generated"),
     ("steps", "weightq_engine_steps", "Engine steps run"),
     ("prefix_cached_tokens", "weightq_prefix_cached_tokens", "Prompt tokens found in the prefix cache"),
+    ("stolen", "weightq_jobs_stolen", "Prefix affinity: jobs taken from other workers' own queues"),
+    ("idle_queued_s", "weightq_idle_while_queued_seconds", "Seconds it held no job while one it takes waited"),
 )
 
 

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, DotEnvSettingsSource, EnvSettingsSource, SettingsConfigDict
+from weightq.tasks.contract import OWN_QUEUE_MARK
 from weightq.tasks.limits import OPEN_MAX_PRIORITY
 
 ENV_FILE = ".env"
@@ -126,6 +127,13 @@ class Settings(BaseSettings):
     # Proxies whose X-Forwarded-For names the client (per-address limits, logs): addresses or networks,
     # comma-separated, "*" (any), or "none"
     trusted_proxies: str = "127.0.0.1"
+
+    @field_validator("queue")
+    @classmethod
+    def _queue_name(cls, value: str) -> str:
+        if OWN_QUEUE_MARK in value:
+            raise ValueError(f"a queue name may not contain {OWN_QUEUE_MARK!r}: it names workers' own queues")
+        return value
 
     @field_validator("trusted_proxies")
     @classmethod

@@ -101,9 +101,20 @@ def engine_jobs_key(instance: str) -> str:
     return f"weightq:engine-jobs:{instance}"
 
 
+OWN_QUEUE_MARK = ".w."  # a QUEUE name may not hold it (settings.py checks)
+
+
 def worker_queue(queue: str, hostname: str) -> str:
     """A worker's own queue (prefix affinity): jobs routed to it, consumed before the shared `queue`."""
-    return f"{queue}.w.{hostname}"
+    return f"{queue}{OWN_QUEUE_MARK}{hostname}"
+
+
+def served_queue(name: str) -> str:
+    """The shared queue a worker's own queue serves (a shared queue serves itself): where a message
+    that goes back (a dead worker's, a warm shutdown's, a visibility timeout's) is restored, so that any
+    worker takes it."""
+    head, mark, _ = name.partition(OWN_QUEUE_MARK)
+    return head if mark else name
 
 
 def writer_key(token: str) -> str:

@@ -72,3 +72,14 @@ def test_a_worker_consumes_its_own_queue_first_unless_affinity_is_off(monkeypatc
 
     assert queues_of("1") == ["weightq.w.gpu1@host", "weightq"]
     assert queues_of("0") == ["weightq"]
+
+
+def test_an_own_queue_serves_its_shared_queue_and_a_queue_name_may_not_look_like_one():
+    import pytest
+    from weightq.settings import Settings
+    from weightq.tasks.contract import served_queue, worker_queue
+
+    assert served_queue(worker_queue("weightq", "gpu1@host.example")) == "weightq"
+    assert served_queue("weightq") == "weightq"
+    with pytest.raises(ValueError, match="QUEUE"):
+        Settings.from_env({"QUEUE": "a.w.b"}, env_file=None)
