@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 
 import redis
@@ -63,6 +64,7 @@ class Affinity:
         self.queue = worker_queue(settings.queue, hostname) if settings.affinity else None
         self._move = client.register_script(MOVE_QUEUED)
         self._seen_waiting: set[str] = set()  # other own queues found non-empty by the last poll
+        self._gone: dict[str, float] = {}  # own queues of lapsed leases -> since when (monotonic)
         self.stolen = 0  # messages this worker took from other workers' queues
         self.drained = 0  # messages it moved from dead workers' queues to the shared one
         self.idle_queued_s = 0.0  # about how long it held no job while some queue it takes from had one
@@ -78,7 +80,8 @@ class Affinity:
 
     def drain_dead(self) -> int:
         """Move the queues of workers whose lease lapsed to the shared queue; forget those that are
-        empty and whose worker no client routes to any more (no heartbeat)."""
+        empty, whose worker no client routes to any more (no fresh heartbeat), lapsed for longer than
+        a message restored to them could take to come back."""
         queues = {q: e for q, e in own_queues(self.redis, self.settings.queue).items() if q != self.queue}
         if not queues:
             return 0
@@ -86,17 +89,24 @@ class Affinity:
         for entry in queues.values():
             pipe.exists(lease_key(entry.get("instance", "")))
         leased = pipe.execute()
-        moved = 0
-        for (q, entry), alive in zip(queues.items(), leased, strict=True):
+        moved, now = 0, time.monotonic()
+        status = list(zip(queues.items(), leased, strict=True))
+        self._gone = {q: self._gone.get(q, now) for (q, _), alive in status if not alive}
+        live = live_workers(self.redis.hgetall(HEARTBEATS)) if self._gone else {}
+        for (q, entry), alive in status:
             if alive:
                 continue  # alive (or paused: its lease is renewed by a thread of its own)
             n = self.move(q, self.settings.queue)
             if n:
                 log.warning("worker %s is gone: %d jobs of its queue go to the shared queue", entry.get("hostname"), n)
             moved += n
-            routed = live_workers(self.redis.hgetall(HEARTBEATS)).get(entry.get("hostname", ""), {})
-            if routed.get("own_queue") != q and not waiting_counts(self.redis, [q])[0]:
-                self.redis.hdel(WORKER_QUEUES, q)  # no client routes there any more (no fresh heartbeat)
+            routed = live.get(entry.get("hostname", ""), {})
+            # forgotten once no client routes there (no fresh heartbeat) and no restore can target it: kombu's
+            # own transport (rediss://, unix sockets) restores to the queue a message was sent to
+            settled = now - self._gone[q] > self.settings.visibility_timeout_s + 2 * self.settings.lease_ttl_s
+            if settled and routed.get("own_queue") != q and not waiting_counts(self.redis, [q])[0]:
+                self.redis.hdel(WORKER_QUEUES, q)
+                del self._gone[q]
         self.drained += moved
         return moved
 

@@ -64,11 +64,15 @@ def test_a_dead_workers_queue_goes_to_the_shared_queue_and_a_live_ones_stays(red
         r.hset(WORKER_QUEUES, worker_queue(s.queue, name), json.dumps(entry))
         r.lpush(priority_queues(worker_queue(s.queue, name))[4], "job a", "job b")
     r.set(lease_key("live@t/1"), "live@t", px=10_000)
-    me = Affinity(r, s, "me@t", "me@t/1")
+    me = Affinity(r, Settings(redis_url=redis_url, visibility_timeout_s=1, lease_ttl_s=0.1), "me@t", "me@t/1")
     assert me.drain_dead() == 2
     assert waiting_counts(r, [s.queue, worker_queue(s.queue, "dead@t"), worker_queue(s.queue, "live@t")]) == [2, 0, 2]
     assert r.rpop(priority_queues(s.queue)[4]) == b"job a"  # the oldest is taken first, at its priority
+    assert r.hexists(WORKER_QUEUES, worker_queue(s.queue, "dead@t"))  # a restore may still target it
+    time.sleep(1.3)
+    assert me.drain_dead() == 0
     assert not r.hexists(WORKER_QUEUES, worker_queue(s.queue, "dead@t"))  # empty, no heartbeat: forgotten
+    assert r.hexists(WORKER_QUEUES, worker_queue(s.queue, "live@t"))
 
 
 def test_a_message_of_an_own_queue_is_restored_to_the_shared_queue(redis_url):
