@@ -89,6 +89,18 @@ def test_a_message_of_an_own_queue_is_restored_to_the_shared_queue(redis_url):
     assert waiting_counts(r, ["weightq", own]) == [1, 0] and r.llen(priority_queues("weightq")[4]) == 1
 
 
+def test_the_queue_depth_counts_own_queues_in_the_queue_they_serve(redis_url):
+    from weightq.metrics import queue_depths
+
+    r = redis.Redis.from_url(redis_url)
+    r.flushall()
+    own = worker_queue("weightq", "a@t")
+    r.lpush(priority_queues(own)[4], "x", "y")
+    r.lpush(priority_queues("weightq")[4], "z")
+    depths = queue_depths(r, ["weightq"], {own: "weightq"})
+    assert depths[("weightq", 5)] == 3 and sum(depths.values()) == 3
+
+
 def test_the_router_sends_a_prefix_to_its_worker_until_the_backlog_then_to_the_shared_queue(redis_url):
     r = redis.Redis.from_url(redis_url)
     r.flushall()
