@@ -121,6 +121,8 @@ COUNTERS = (
     ("decode_tokens", "weightq_decode_tokens", "Tokens generated"),
     ("steps", "weightq_engine_steps", "Engine steps run"),
     ("prefix_cached_tokens", "weightq_prefix_cached_tokens", "Prompt tokens found in the prefix cache"),
+    ("stolen", "weightq_jobs_stolen", "Prefix affinity: jobs taken from other workers' own queues"),
+    ("idle_queued_s", "weightq_idle_while_queued_seconds", "Seconds it held no job while one it takes waited"),
 )
 
 
@@ -225,13 +227,20 @@ def live_workers(raw: dict, now: float | None = None) -> dict[str, dict]:
     return out
 
 
-def queue_depths(client, queues: Iterable[str]) -> dict[tuple[str, int], int]:
+def queue_depths(client, queues: Iterable[str], own: dict[str, str] | None = None) -> dict[tuple[str, int], int]:
     """{(queue, priority class): messages waiting} from the broker's lists (one per class), in one
-    round trip. Delivered messages (a worker's prefetch) are not waiting: they are its jobs."""
+    round trip. Delivered messages (a worker's prefetch) are not waiting: they are its jobs. `own`
+    maps workers' own queues (prefix affinity) to the queue they serve: their jobs count there."""
+    own = own or {}
     lists = [
-        (queue, MAX_PRIORITY - i, key) for queue in sorted(set(queues)) for i, key in enumerate(priority_queues(queue))
+        (queue, MAX_PRIORITY - i, key)
+        for queue in sorted(set(queues) | set(own))
+        for i, key in enumerate(priority_queues(queue))
     ]
     pipe = client.pipeline(transaction=False)
     for _, _, key in lists:
         pipe.llen(key)
-    return {(queue, cls): n for (queue, cls, _), n in zip(lists, pipe.execute(), strict=True)}
+    out: Counter[tuple[str, int]] = Counter()
+    for (queue, cls, _), n in zip(lists, pipe.execute(), strict=True):
+        out[(own.get(queue, queue), cls)] += n
+    return dict(out)

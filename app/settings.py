@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, DotEnvSettingsSource, EnvSettingsSource, SettingsConfigDict
+from weightq.tasks.contract import OWN_QUEUE_MARK
 from weightq.tasks.limits import OPEN_MAX_PRIORITY
 
 ENV_FILE = ".env"
@@ -71,6 +72,13 @@ class Settings(BaseSettings):
     concurrency: int = 128  # task threads per worker: the most requests one worker holds at once
     task_events: bool = True  # Flower's per-task view; off saves ~a third of the consumer's work per job
     queue: str = "weightq"
+    # Prefix affinity (app/client/routing.py): a job goes to the own queue of the worker that a hash of its
+    # prompt's first AFFINITY_PREFIX_CHARS characters picks (rendezvous over live workers), so that
+    # one worker's prefix cache serves each prefix; idle workers steal from backlogged ones. Off: one queue.
+    affinity: bool = True
+    affinity_prefix_chars: int = Field(256, ge=1)
+    # ... unless that worker's own queue already holds this many jobs: then the shared queue (a hot prefix spreads)
+    affinity_backlog: int = Field(256, ge=0)
     visibility_timeout_s: int = 30  # a dead worker's jobs return to the queue after this
     lease_renew_s: float = 5.0  # a live worker renews its in-flight jobs this often
     restore_interval_s: int = 5  # how often every worker sweeps for expired leases
@@ -126,6 +134,13 @@ class Settings(BaseSettings):
     # Proxies whose X-Forwarded-For names the client (per-address limits, logs): addresses or networks,
     # comma-separated, "*" (any), or "none"
     trusted_proxies: str = "127.0.0.1"
+
+    @field_validator("queue")
+    @classmethod
+    def _queue_name(cls, value: str) -> str:
+        if OWN_QUEUE_MARK in value:
+            raise ValueError(f"a queue name may not contain {OWN_QUEUE_MARK!r}: it names workers' own queues")
+        return value
 
     @field_validator("trusted_proxies")
     @classmethod

@@ -21,6 +21,7 @@ import uuid
 import redis
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
+from weightq.tasks.contract import served_queue
 
 from .redis_conn import FailoverAwareConnection, is_transient
 
@@ -88,7 +89,8 @@ class StaleChannelSafe:
         # The run the message was taken from may still ack (or reject) its old tag later (a paused
         # worker taken for dead): that must not delete the record of the delivery that replaced it.
         _fresh_tag(payload)
-        return super()._do_restore_message(payload, exchange, routing_key, pipe, leftmost)
+        # a worker's own queue (prefix affinity): back to the shared queue, for any worker to take
+        return super()._do_restore_message(payload, exchange, served_queue(routing_key), pipe, leftmost)
 
     def _brpop_read(self, **options):
         # BRPOP is a write: a master that lost its replicas (min-replicas-to-write) answers
@@ -146,7 +148,8 @@ class StaleChannelSafe:
             pipe = client.pipeline()
             if requeue and raw is not None:
                 message, _, routing_key = kombu_redis.loads(raw)
-                queue = self._q_for_pri(routing_key, self._get_message_priority(message, reverse=False))
+                priority = self._get_message_priority(message, reverse=False)
+                queue = self._q_for_pri(served_queue(routing_key), priority)
                 pipe.lpush(queue, kombu_redis.dumps(message))  # the default exchange: key = queue, per priority
             pipe.zrem(self.unacked_index_key, delivery_tag)
             pipe.hdel(self.unacked_key, delivery_tag)
@@ -182,7 +185,8 @@ def restore_unacked(client: redis.Redis, tags: list[str]) -> list[str]:
                 priority = min(max(int(message["properties"]["priority"]), 0), 9)
             except (KeyError, TypeError, ValueError):
                 priority = 0
-            pipe.rpush(priority_queues(routing_key)[priority], kombu_redis.dumps(message))  # taken next
+            # taken next; a worker's own queue's message goes to the shared queue, for any worker
+            pipe.rpush(priority_queues(served_queue(routing_key))[priority], kombu_redis.dumps(message))
             return message.get("headers", {}).get("id") or tag
 
         job = client.transaction(restore, unacked, value_from_callable=True)
@@ -196,6 +200,16 @@ def priority_queues(queue: str) -> list[str]:
     the order kombu takes them: priority 0 (the most urgent class, tasks/limits.py: broker_priority)
     first."""
     return [queue] + [f"{queue}{kombu_redis.Channel.sep}{p}" for p in range(1, 10)]
+
+
+def waiting_counts(client: redis.Redis, queues: list[str]) -> list[int]:
+    """Messages waiting in each queue (all its priority lists), in one round trip."""
+    pipe = client.pipeline(transaction=False)
+    for q in queues:
+        for key in priority_queues(q):
+            pipe.llen(key)
+    lengths, n = pipe.execute(), len(priority_queues(""))
+    return [sum(lengths[i * n : (i + 1) * n]) for i in range(len(queues))]
 
 
 class Channel(StaleChannelSafe, kombu_redis.Channel):

@@ -52,7 +52,7 @@ from typing import Any
 from .results import Finished
 
 # the atomic state changes, in Lua (scripts.py), are part of the contract: importable from here
-from .scripts import ABORT, BEGIN, CANCEL, CHARGE, FAIL, REQUEUE, SUBMIT, WRITE_BATCH  # noqa: F401
+from .scripts import ABORT, BEGIN, CANCEL, CHARGE, FAIL, MOVE_QUEUED, REQUEUE, SUBMIT, WRITE_BATCH  # noqa: F401
 
 TASK_NAME = "weightq.generate"
 
@@ -70,8 +70,13 @@ RESUMING = "weightq:resuming"
 # blocks on this one key and then reads them all, where a blocked XREAD of hundreds of keys cost a
 # full command to send and Redis 6 answered it with just the stream that woke it.
 STREAM_TICK = "weightq:stream-tick"
+# Prefix affinity: each worker's own queue, by queue name: {"queue": the shared queue, "instance",
+# "hostname"}. Whoever finds the instance's lease lapsed moves what waits there to the shared queue.
+WORKER_QUEUES = "weightq:worker-queues"
 RUNNING_STREAM_TTL_S = 86_400  # a running job's stream lives a day; once it ends, STREAM_TTL_S
-SINGLETONS = (CANCEL_CHANNEL, QUEUED, STARTED_HW, DEAD, HEARTBEATS, RECOVER_LOCK, STREAM_TICK, LEASES, RESUMING)
+SINGLETONS = (
+    CANCEL_CHANNEL, QUEUED, STARTED_HW, DEAD, HEARTBEATS, RECOVER_LOCK, STREAM_TICK, LEASES, RESUMING, WORKER_QUEUES,
+)  # fmt: skip
 
 
 def stream_key(job_id: str) -> str:
@@ -96,6 +101,22 @@ def held_key(instance: str) -> str:
 
 def engine_jobs_key(instance: str) -> str:
     return f"weightq:engine-jobs:{instance}"
+
+
+OWN_QUEUE_MARK = ".w."  # a QUEUE name may not hold it (settings.py checks)
+
+
+def worker_queue(queue: str, hostname: str) -> str:
+    """A worker's own queue (prefix affinity): jobs routed to it, consumed before the shared `queue`."""
+    return f"{queue}{OWN_QUEUE_MARK}{hostname}"
+
+
+def served_queue(name: str) -> str:
+    """The shared queue a worker's own queue serves (a shared queue serves itself): where a message
+    that goes back (a dead worker's, a warm shutdown's, a visibility timeout's) is restored, so that any
+    worker takes it."""
+    head, mark, _ = name.partition(OWN_QUEUE_MARK)
+    return head if mark else name
 
 
 def writer_key(token: str) -> str:

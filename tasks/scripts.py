@@ -242,3 +242,27 @@ redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'end', 'reason'
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 return 'queued'
 """
+
+# Move waiting messages between two queues, list by list (one per priority, the most urgent first),
+# the oldest first, up to ARGV[1] of them (0: all): they are put where they are taken next, in the
+# order they had. A work-stealing worker moves a backlogged worker's messages into its own queue; a
+# dead worker's own queue is moved into the shared one. Atomic: a message is never out of Redis.
+# KEYS: the source's lists, then the destination's (as many). ARGV: most messages. Returns the count.
+MOVE_QUEUED = """
+local n = tonumber(ARGV[1])
+local half = #KEYS / 2
+local moved = 0
+for i = 1, half do
+  local got = {}
+  while n == 0 or moved < n do
+    local m = redis.call('RPOP', KEYS[i])
+    if not m then break end
+    got[#got + 1] = m
+    moved = moved + 1
+  end
+  for j = #got, 1, -1 do
+    redis.call('RPUSH', KEYS[half + i], got[j])
+  end
+end
+return moved
+"""

@@ -46,6 +46,7 @@ from weightq.tasks.request import JobRequest, parse_request
 from weightq.tasks.results import TokenLogprobs
 
 from .pressure import Backpressure
+from .routing import Router
 
 __all__ = ["Client", "Job", "JobFailed", "StreamEvent", "submit"]
 
@@ -170,6 +171,7 @@ class Client:
         self.backpressure = Backpressure(self.redis, self.broker, self.settings)
         self.submit_script = self.redis.register_script(SUBMIT)
         self.cancel_script = self.redis.register_script(CANCEL)
+        self.router = Router(self.redis, self.broker, self.settings)  # which queue each job goes to (AFFINITY)
         self._app = None
 
     @property
@@ -222,18 +224,19 @@ class Client:
         # message would leave it to the lost-job sweep. As with any broker, a publish retried after a
         # lost reply may deliver a message twice: delivery is at least once.
         retrying(lambda: self.durable.run_many(self.submit_script, calls), s.redis_retry_s, pause_s=0.2)
-        retrying(lambda: self._publish(ids, wire), s.redis_retry_s, pause_s=0.2)
+        queues = retrying(lambda: self.router.queues(jobs), s.redis_retry_s, pause_s=0.2)
+        retrying(lambda: self._publish(ids, wire, queues), s.redis_retry_s, pause_s=0.2)
         return [Job(self, job_id) for job_id in ids]
 
-    def _publish(self, ids: list[str], requests: list[dict]) -> None:
+    def _publish(self, ids: list[str], requests: list[dict], queues: list[str]) -> None:
         app = self.app
         with app.producer_or_acquire() as producer, producer.batch(max_size=4 * len(ids)):
-            for job_id, request in zip(ids, requests, strict=True):
+            for job_id, request, queue in zip(ids, requests, queues, strict=True):
                 app.send_task(
                     TASK_NAME,
                     args=[request],
                     task_id=job_id,
-                    queue=self.settings.queue,
+                    queue=queue,
                     argsrepr=args_repr(request),
                     kwargsrepr="{}",
                     producer=producer,

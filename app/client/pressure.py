@@ -58,18 +58,20 @@ class Backpressure:
 
     def _project(self) -> Projection:
         queue = self.settings.queue
-        pipe = self.broker.pipeline(transaction=False)
-        for key in priority_queues(queue):
-            pipe.llen(key)
-        depths = pipe.execute()
-        beats = self.redis.hgetall(HEARTBEATS)
         now = time.time()
-        outlooks = [
-            o
-            for w in live_workers(beats, now).values()
-            if (w.get("queue") or queue) == queue and (o := WorkerOutlook.of(w, now)) is not None
-        ]
-        queued = {MAX_PRIORITY - i: n for i, n in enumerate(depths) if n}
+        beats = live_workers(self.redis.hgetall(HEARTBEATS), now).values()
+        workers = [w for w in beats if (w.get("queue") or queue) == queue]
+        # the shared queue's lists and each worker's own (prefix affinity): a job waits in one of them
+        queues = [queue, *sorted({w["own_queue"] for w in workers if w.get("own_queue")})]
+        pipe = self.broker.pipeline(transaction=False)
+        for name in queues:
+            for key in priority_queues(name):
+                pipe.llen(key)
+        depths = pipe.execute()
+        queued: Counter[int] = Counter()
+        for i, n in enumerate(depths):
+            queued[MAX_PRIORITY - i % (MAX_PRIORITY + 1)] += n
+        outlooks = [o for w in workers if (o := WorkerOutlook.of(w, now)) is not None]
         return project(outlooks, queued)
 
     def admit(self, jobs: Sequence[JobRequest]) -> None:

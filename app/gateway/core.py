@@ -104,9 +104,11 @@ class Gateway:
 
     def queue_depths(self) -> dict[tuple[str, int], int]:
         """Per class, the jobs waiting on this gateway's queue and on every queue a live worker serves."""
-        queues = {self.settings.queue, *(w.get("queue") or self.settings.queue for w in self.workers().values())}
+        workers = self.workers().values()
+        queues = {self.settings.queue, *(w.get("queue") or self.settings.queue for w in workers)}
+        own = {w["own_queue"]: w.get("queue") or self.settings.queue for w in workers if w.get("own_queue")}
         try:
-            return queue_depths(self.client.broker, queues)
+            return queue_depths(self.client.broker, queues, own)  # a worker's own queue counts for its queue
         except redis.RedisError:
             return {}
 

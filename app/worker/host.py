@@ -19,6 +19,7 @@ from weightq.tasks.contract import HEARTBEATS
 from weightq.tasks.request import JobRequest, RequestError
 
 from . import loops
+from .affinity import Affinity, steal_loop
 from .inflight import InFlight
 from .jobs import SHUTDOWN, DeadLettered, GenerationFailed, JobRunner
 from .lease import WorkerLease, new_instance
@@ -57,6 +58,7 @@ class WorkerHost:
         self.sweeper = LostJobSweeper(settings, client, self.broker, hostname, lambda: self.app)
         self.lease = WorkerLease(client, settings, hostname, self.instance)
         self.reaper = Reaper(client, self.broker, settings, self.instance)
+        self.affinity = Affinity(client, self.broker, settings, hostname, self.instance)  # its own queue (AFFINITY)
         publisher.on_superseded = engine.cancel  # a job resumed elsewhere: stop this run of it
         self._threads: list[threading.Thread] = []
 
@@ -83,6 +85,7 @@ class WorkerHost:
         def reap() -> None:
             while True:
                 self.reaper.sweep()
+                self.affinity.drain_dead()  # the dead's own queues (and what the reaper put back there)
                 if stop.wait(self.reaper.interval_s):
                     return
 
@@ -92,6 +95,7 @@ class WorkerHost:
                 if stop.wait(self.lease.renew_s):
                     return
 
+        self.affinity.register()
         for name, loop in (
             ("renew", renew),
             ("reap", reap),
@@ -100,8 +104,16 @@ class WorkerHost:
             ("prefetch", lambda: loops.prefetch_loop(s, self.engine, self.inflight, consumer, self.stopping, stop)),
             ("recover", recover),
             ("heartbeat", lambda: loops.heartbeat_loop(r, self.hostname, self.stats, stop)),
+            ("steal", lambda: steal_loop(self.affinity, self.room, lambda: not len(self.inflight), stop)),
         ):
             self._threads.append(loops.run_guarded(name, loop, stop))
+
+    def room(self) -> int:
+        """Jobs this worker could take now: the engine's room, less messages taken but not yet in it."""
+        if self.stopping.is_set() or self.inflight.exclusive or self.consumer is None:
+            return 0
+        pending = loops.taken_not_started(self.inflight, self.consumer)
+        return max(0, min(self.engine.room_for(), self.settings.concurrency - len(self.inflight)) - pending)
 
     def recover_lost_jobs(self) -> list[str]:
         return self.sweeper.sweep()
@@ -112,6 +124,11 @@ class WorkerHost:
             "active_jobs": len(self.inflight),
             "hostname": self.hostname,
             "queue": s.queue,  # what `weightq batch` and the gateway's queue depth look for
+            "own_queue": self.affinity.queue,  # where clients route this worker's prefixes (None: off)
+            "stolen": self.affinity.stolen,
+            "drained": self.affinity.drained,
+            "idle_queued_s": round(self.affinity.idle_queued_s, 2),
+            "room": self.room(),  # jobs it could take now
             "served_model": s.served_model_name or s.model,
         }
         if self.publisher.metrics is not None:

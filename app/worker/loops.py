@@ -91,6 +91,22 @@ def delivered_tags(inflight: InFlight, consumer: Any) -> list[str]:
     return list(tags)
 
 
+def taken_not_started(inflight: InFlight, consumer: Any) -> int:
+    """Messages the consumer took that no task has brought into the engine yet. Acked ones do not
+    count: kombu drops an acked tag from its delivered map only at its next delivery, so an idle
+    worker's map still lists the jobs it finished."""
+    try:
+        qos = consumer.task_consumer.channel.qos
+    except AttributeError:
+        return 0
+    for _ in range(3):
+        try:
+            return len(set(qos._delivered) - set(qos._dirty) - inflight.tags())
+        except RuntimeError:  # changed size during the copy: another thread acked
+            continue
+    return 0
+
+
 def delivery_tag_of(consumer: Any, job_id: str) -> str | None:
     """The delivery tag of the job's message, from the consumer's delivered messages (the task cannot
     tell: Celery's delivery_info leaves it out)."""

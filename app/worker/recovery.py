@@ -1,8 +1,9 @@
 """Re-sending jobs whose message was lost: kombu's Redis transport can lose a message that a Redis crash
 (or a worker's death) catches between delivery and bookkeeping. Jobs still queued long after later
 ones of their class (or a lower one) started, and jobs a dead worker's reaper sent back that no run
-has begun since (`weightq:resuming`), found neither in the queue's lists (one per priority) nor among
-the unacked messages (twice, a sweep apart), are sent again, with their priority."""
+has begun since (`weightq:resuming`), found neither in the queue's lists (one per priority, the
+workers' own queues included) nor among the unacked messages (twice, a sweep apart), are sent again,
+with their priority."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from weightq.tasks.contract import (
 )
 from weightq.tasks.limits import DEFAULT_PRIORITY, MAX_PRIORITY, broker_priority
 from weightq.transport import priority_queues
+
+from .affinity import own_queues
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +95,9 @@ class LostJobSweeper:
         if waiting > s.lost_job_scan_limit:
             log.info("%d jobs look lost, but the queue is too long to scan now", len(queued))
             return []
-        present = self._present(queued, lists)
+        # a job may wait in a worker's own queue (prefix affinity) while later ones start elsewhere
+        own = [key for q in own_queues(r, s.queue) for key in priority_queues(q)]
+        present = self._present(queued, lists + own)
         missing = {j for j in queued if j not in present}
         lost, self._suspects = sorted(missing & self._suspects), missing - self._suspects
         app = self.celery_app()

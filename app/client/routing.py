@@ -1,0 +1,65 @@
+"""Which queue a job is sent to (AFFINITY): the own queue of the worker its prompt's prefix hashes to
+(tasks/affinity.py), or the shared queue every worker of QUEUE takes from.
+
+The live workers come from their heartbeats (those that advertise an own queue on this QUEUE), read at
+most once a second. A job goes to the shared queue when no such worker is known, or when the chosen
+worker's own queue already holds AFFINITY_BACKLOG jobs (counted in one round trip per submission,
+with the jobs of this submission): a hot prefix then spreads over every worker with room. Jobs left
+waiting in a busy worker's queue are not stranded: a worker with room and nothing else to do steals
+them (app/worker/affinity.py), and a dead worker's queue is moved to the shared one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import redis
+from weightq.metrics import live_workers
+from weightq.settings import Settings
+from weightq.tasks.affinity import rendezvous, route_key
+from weightq.tasks.contract import HEARTBEATS
+from weightq.tasks.request import JobRequest
+from weightq.transport import waiting_counts
+
+REFRESH_S = 1.0  # heartbeats come once a second
+
+
+class Router:
+    def __init__(self, streams: redis.Redis, broker: redis.Redis, settings: Settings) -> None:
+        self.redis, self.broker, self.settings = streams, broker, settings  # heartbeats; the queues
+        self._workers: dict[str, str] = {}  # worker name -> its own queue
+        self._read_at = float("-inf")
+
+    def workers(self) -> dict[str, str]:
+        """The live workers of this QUEUE that have an own queue, by name (cached for REFRESH_S)."""
+        now = time.monotonic()
+        if now - self._read_at >= REFRESH_S:
+            live = live_workers(self.redis.hgetall(HEARTBEATS))
+            queue = self.settings.queue
+            self._workers = {
+                name: s["own_queue"] for name, s in live.items() if s.get("queue") == queue and s.get("own_queue")
+            }
+            self._read_at = now
+        return self._workers
+
+    def queues(self, jobs: Sequence[JobRequest]) -> list[str]:
+        """The queue of each job, in order."""
+        s = self.settings
+        shared = [s.queue] * len(jobs)
+        if not s.affinity or not jobs:
+            return shared
+        workers = self.workers()
+        if not workers:
+            return shared
+        names = sorted(workers)
+        backlog = dict(zip(names, waiting_counts(self.broker, [workers[n] for n in names]), strict=True))
+        out = []
+        for job in jobs:
+            best = rendezvous(route_key(job, s.affinity_prefix_chars, s.prefix_cache_shared), names)[0]
+            if backlog[best] < s.affinity_backlog:
+                backlog[best] += 1
+                out.append(workers[best])
+            else:
+                out.append(s.queue)
+        return out
