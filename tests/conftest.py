@@ -15,6 +15,8 @@ if os.environ.get("WEIGHTQ_TEST_COMPILE") != "1":
 # ----- engine fixtures: the built-in tiny model, loaded once per session ---------------------------
 import pytest
 
+from tests.servers import embedded_redis
+
 
 @pytest.fixture(scope="session")
 def tiny_path():
@@ -43,12 +45,7 @@ def reference_model(tiny_path):
 # ----- service fixtures: a real Redis per test module ------------------------------------------------
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory):
-    from weightq.cli.redis_server import EmbeddedRedis
-
-    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"))
-    url = server.start()
-    yield url
-    server.stop()
+    yield from embedded_redis(tmp_path_factory)
 
 
 @pytest.fixture

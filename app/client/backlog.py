@@ -57,7 +57,8 @@ class WorkerOutlook:
         points = [int(x) for x in o.get("finish_steps", ())]
         running = int(o.get("running", len(points)))
         # each published point stands for running / len(points) requests (quantiles of a large batch)
-        age = min(MAX_AGE_S, max(0.0, (now or 0.0) - float(stats.get("ts") or now or 0.0)))
+        ts = stats.get("ts")
+        age = min(MAX_AGE_S, max(0.0, now - float(ts))) if now is not None and ts else 0.0
         free_at = [points[(i * len(points)) // running] * step_s - age for i in range(running)] if points else []
         mean = float(o.get("mean_output") or 0.0) or DEFAULT_OUTPUT
         slots = max(int(o.get("slots", running)), running, 1)

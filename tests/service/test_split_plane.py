@@ -13,12 +13,12 @@ import pytest
 import redis
 from weightq.bench.resume import openai_text, read_sse
 from weightq.cli.processes import GatewayProcess, WorkerProcess
-from weightq.cli.redis_server import EmbeddedRedis
 from weightq.client import Client
 from weightq.settings import Settings
 from weightq.tasks.contract import LEASES, QUEUED, STREAM_TICK, job_key, stream_key
 from weightq.transport import priority_queues
 
+from tests.servers import embedded_redis
 from tests.service.test_crash_resume import check_one_generation
 
 WORKER = dict(max_batch_weight=16384, concurrency=32, engine_process="off", visibility_timeout_s=600)
@@ -26,10 +26,7 @@ WORKER = dict(max_batch_weight=16384, concurrency=32, engine_process="off", visi
 
 @pytest.fixture(scope="module")
 def data_url(tmp_path_factory):
-    server = EmbeddedRedis(tmp_path_factory.mktemp("data-redis"))
-    url = server.start()
-    yield url
-    server.stop()
+    yield from embedded_redis(tmp_path_factory, "data-redis")
 
 
 @pytest.fixture
