@@ -25,6 +25,12 @@ def tls_options(s: Settings, url: str) -> dict:
 _OWN_TRANSPORTS = {"redis": "weightq.transport:Transport", "sentinel": "weightq.transport:SentinelTransport"}
 
 
+def own_transport(url: str) -> bool:
+    """Whether Celery reaches this broker URL through weightq's transport (app/transport.py), which
+    alone can stage a job (FAIR_QUEUE): rediss:// and unix sockets keep kombu's own."""
+    return url.split("://")[0] in _OWN_TRANSPORTS
+
+
 def celery_config(s: Settings, url: str | None = None) -> dict:
     url = url or s.resolved_redis_url()
     sentinel = celery_options(url, s)
@@ -63,7 +69,7 @@ def celery_config(s: Settings, url: str | None = None) -> dict:
         "broker_connection_max_retries": None,  # a Redis restart is waited out, however long
         # kombu's Redis transport without the restore-on-close that crashed the consumer after a
         # Redis crash (see app/transport.py); rediss:// and unix sockets keep kombu's own.
-        **({"broker_transport": own} if (own := _OWN_TRANSPORTS.get(url.split("://")[0])) else {}),
+        **({"broker_transport": _OWN_TRANSPORTS[url.split("://")[0]]} if own_transport(url) else {}),
         "result_expires": s.result_ttl_s,
         # The request is kept once, in the job hash (for recovery): an extended result stored it again,
         # with every token id, for RESULT_TTL_S.

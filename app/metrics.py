@@ -26,7 +26,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from weightq.tasks.limits import MAX_PRIORITY
 from weightq.tasks.results import Finished
-from weightq.transport import priority_queues
+from weightq.transport import waiting_by_priority
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -232,15 +232,9 @@ def queue_depths(client, queues: Iterable[str], own: dict[str, str] | None = Non
     round trip. Delivered messages (a worker's prefetch) are not waiting: they are its jobs. `own`
     maps workers' own queues (prefix affinity) to the queue they serve: their jobs count there."""
     own = own or {}
-    lists = [
-        (queue, MAX_PRIORITY - i, key)
-        for queue in sorted(set(queues) | set(own))
-        for i, key in enumerate(priority_queues(queue))
-    ]
-    pipe = client.pipeline(transaction=False)
-    for _, _, key in lists:
-        pipe.llen(key)
+    names = sorted(set(queues) | set(own))
     out: Counter[tuple[str, int]] = Counter()
-    for (queue, cls, _), n in zip(lists, pipe.execute(), strict=True):
-        out[(own.get(queue, queue), cls)] += n
+    for queue, by_priority in zip(names, waiting_by_priority(client, names), strict=True):
+        for i, n in enumerate(by_priority):  # its lists and its staged sets (FAIR_QUEUE)
+            out[(own.get(queue, queue), MAX_PRIORITY - i)] += n
     return dict(out)

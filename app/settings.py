@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, DotEnvSettingsSource, EnvSettingsSource, SettingsConfigDict
-from weightq.tasks.contract import OWN_QUEUE_MARK
+from weightq.tasks.contract import OWN_QUEUE_MARK, STAGED_MARK
 from weightq.tasks.limits import OPEN_MAX_PRIORITY
 
 ENV_FILE = ".env"
@@ -70,6 +70,13 @@ class Settings(BaseSettings):
     # submission (the client raises Overloaded, the gateway answers 429 with Retry-After); 0: never
     max_queue_wait_s: Annotated[float, Field(ge=0)] = 0.0
     concurrency: int = 128  # task threads per worker: the most requests one worker holds at once
+    # Task threads that background classes (priority < 5) may not take, so that an interactive job always
+    # finds one and reaches the engine, which preempts background work for it; 0: CONCURRENCY / 8
+    interactive_slots: Annotated[int, Field(ge=0)] = 0
+    # Fair staging (app/worker/intake.py): jobs wait in Redis in the scheduler's order (class, then each
+    # tenant's share in weight units) and a worker releases them as it can start them; off: first come,
+    # first served in each class (redis:// and sentinel:// brokers; rediss:// and unix sockets: off)
+    fair_queue: bool = True
     task_events: bool = True  # Flower's per-task view; off saves ~a third of the consumer's work per job
     queue: str = "weightq"
     # Prefix affinity (app/client/routing.py): a job goes to the own queue of the worker that a hash of its
@@ -140,6 +147,8 @@ class Settings(BaseSettings):
     def _queue_name(cls, value: str) -> str:
         if OWN_QUEUE_MARK in value:
             raise ValueError(f"a queue name may not contain {OWN_QUEUE_MARK!r}: it names workers' own queues")
+        if STAGED_MARK in value:
+            raise ValueError(f"a queue name may not contain {STAGED_MARK!r}: it names staged jobs")
         return value
 
     @field_validator("trusted_proxies")
@@ -178,6 +187,11 @@ class Settings(BaseSettings):
     @property
     def home(self) -> Path:
         return Path(self.weightq_home)
+
+    def reserved_slots(self) -> int:
+        """INTERACTIVE_SLOTS resolved: the task threads background jobs leave to the urgent classes."""
+        wanted = self.interactive_slots or max(1, self.concurrency // 8)
+        return max(0, min(wanted, self.concurrency - 1))
 
     def resolved_redis_url(self) -> str:
         """REDIS_URL, else the URL of the embedded Redis that `weightq` started, else localhost."""

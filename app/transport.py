@@ -21,11 +21,16 @@ import uuid
 import redis
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
-from weightq.tasks.contract import served_queue
+from weightq.tasks.contract import STAGE, fair_key, served_queue, staged_sets, staged_target
 
 from .redis_conn import FailoverAwareConnection, is_transient
 
 log = logging.getLogger(__name__)
+
+# What a staged message carries for its fair order (app/client/jobs.py sets them): whose job it is, and
+# its weight in the batcher's units (prompt tokens, estimated, plus new tokens).
+TENANT_HEADER = "weightq_tenant"
+WEIGHT_HEADER = "weightq_weight"
 
 
 def _fresh_client() -> redis.Redis:
@@ -84,6 +89,28 @@ class StaleChannelSafe:
     do_restore = False
     QoS = BatchedQoS
     _take = None
+
+    def _put(self, queue, message, **kwargs):
+        """A message sent to a staged name (FAIR_QUEUE) is filed in its target's staged set, with its
+        tenant's start tag (STAGE), in the same pipeline as kombu's own publish would be."""
+        target = staged_target(queue)
+        if target is None:
+            return super()._put(queue, message, **kwargs)
+        headers = message.get("headers") or {}
+        tenant = str(headers.get(TENANT_HEADER) or "")
+        try:
+            weight = max(1, int(headers.get(WEIGHT_HEADER) or 1))
+        except (TypeError, ValueError):
+            weight = 1
+        pri = self._get_message_priority(message, reverse=False)
+        args = (STAGE, 2, staged_sets(target)[pri], fair_key(target), kombu_redis.dumps(message), tenant, weight)
+        batch = kwargs.pop("_publish_batch", None)
+        if batch is not None:
+            batch.add("eval", *args)
+            return None
+        with self.conn_or_acquire() as client:
+            client.eval(*args)
+        return None
 
     def _do_restore_message(self, payload, exchange, routing_key, pipe, leftmost=False):
         # The run the message was taken from may still ack (or reject) its old tag later (a paused
@@ -202,14 +229,26 @@ def priority_queues(queue: str) -> list[str]:
     return [queue] + [f"{queue}{kombu_redis.Channel.sep}{p}" for p in range(1, 10)]
 
 
-def waiting_counts(client: redis.Redis, queues: list[str]) -> list[int]:
-    """Messages waiting in each queue (all its priority lists), in one round trip."""
+def waiting_by_priority(client: redis.Redis, queues: list[str]) -> list[list[int]]:
+    """Jobs waiting for each queue, per broker priority (index 0: the most urgent class): its lists
+    and its staged sets (FAIR_QUEUE) together, in one round trip."""
     pipe = client.pipeline(transaction=False)
     for q in queues:
         for key in priority_queues(q):
             pipe.llen(key)
-    lengths, n = pipe.execute(), len(priority_queues(""))
-    return [sum(lengths[i * n : (i + 1) * n]) for i in range(len(queues))]
+        for key in staged_sets(q):
+            pipe.zcard(key)
+    counts, n = pipe.execute(), len(priority_queues(""))
+    out = []
+    for i in range(len(queues)):
+        lists, staged = counts[2 * i * n : (2 * i + 1) * n], counts[(2 * i + 1) * n : (2 * i + 2) * n]
+        out.append([a + b for a, b in zip(lists, staged, strict=True)])
+    return out
+
+
+def waiting_counts(client: redis.Redis, queues: list[str]) -> list[int]:
+    """Jobs waiting for each queue (all its priority lists and staged sets), in one round trip."""
+    return [sum(by_priority) for by_priority in waiting_by_priority(client, queues)]
 
 
 class Channel(StaleChannelSafe, kombu_redis.Channel):

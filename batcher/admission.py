@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .plan import StepPlan
-from .preemption import make_room
+from .preemption import make_room, make_room_for_class
 from .request import TOP_PRIORITY, Request
 
 if TYPE_CHECKING:
@@ -34,9 +34,9 @@ class Admission:
         cut = now - b.config.max_wait_s
         order, aged = b.order, False
         for r in b.waiting:
-            rank, arrival, seq = order[r.id]
-            if rank > -TOP_PRIORITY and arrival <= cut:
-                order[r.id] = (-TOP_PRIORITY, arrival, seq)
+            rank, since, seq = order[r.id]
+            if rank > -TOP_PRIORITY and r.arrival_s <= cut:  # its wait here: a queue upstream ordered it by class
+                order[r.id] = (-TOP_PRIORITY, since, seq)
                 aged = True
         if aged:
             b.waiting.sort(key=lambda r: order[r.id])
@@ -120,6 +120,8 @@ class Admission:
         fair = cfg.fairness and tenants.contended
         candidates = tenants.order(b.waiting, lambda r: order[r.id][0], b.held) if fair else enumerate(b.waiting)
         evicted: list[Request] = []  # preempted for a tenant below its share: back to the queue below
+        # background work runs that an urgent class may preempt (preemption.py: make_room_for_class)
+        background = cfg.class_preemption and any(-order[r.id][0] < cfg.headroom_priority for r in b.running.values())
         capped: set[str] = set()  # tenants that admit nothing more in this pass (their cap, a jump rule)
         blocked: dict[str, Request] = {}  # each tenant's first request that did not fit in this pass
         for scanned, (idx, cand) in enumerate(candidates):
@@ -169,6 +171,13 @@ class Admission:
             )
             if not dominated and fair and cfg.fair_preemption and not self.fits_quietly(cand, chunk, ahead):
                 make_room(b, cand, chunk, ahead, plan, evicted)
+            if (
+                background
+                and not dominated
+                and -order[cand.id][0] >= cfg.headroom_priority
+                and not self.fits_quietly(cand, chunk, ahead)
+            ):
+                make_room_for_class(b, cand, chunk, ahead, plan, evicted)
             if dominated or not b.fits(cand, chunk, ahead):  # (a simulated policy may override fits)
                 b.paging.unlookup(cand)
                 if not dominated and not hits and len(refused) < 16:

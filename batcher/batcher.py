@@ -88,7 +88,8 @@ class Batcher:
     def submit(self, req: Request) -> None:
         self.check(req)
         self.tenants.arrive(req.tenant)
-        self.order[req.id] = (-req.priority, req.arrival_s, self._seq)
+        since = req.arrival_s if req.submitted_s is None else req.submitted_s
+        self.order[req.id] = (-req.priority, since, self._seq)
         self._classes.add(req.priority)
         self._seq += 1
         self.enqueue(req)

@@ -51,6 +51,8 @@ class BatcherConfig:
         weight x steps) goes first, instead of arrival order (batcher/fairness.py); one tenant: no change.
     tenant_cap: a share of max_batch_weight no one tenant's running requests may exceed while other
         tenants have requests (0: no cap); a tenant's first running request is never held back by it.
+    class_preemption: a request of headroom_priority or above that does not fit preempts background
+        requests (ranked below it), the newest first, the fewest that make room (preemption.py).
     fair_preemption: a tenant holding less than an equal share of the budget whose request does not
         fit may preempt the newest requests of the tenants holding the most (never more than it needs,
         never leaving them below it, never one at max_preemptions): a light tenant's request starts at
@@ -80,6 +82,7 @@ class BatcherConfig:
     fairness: bool = True
     tenant_cap: float = 0.0
     fair_preemption: bool = True
+    class_preemption: bool = True
 
     def resolved(self) -> BatcherConfig:
         """Fill in max_batch_weight and check that one maximal request fits; raises ConfigError."""

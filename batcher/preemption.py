@@ -1,5 +1,6 @@
-"""Sending running requests back to the queue: predictive mode's regrowth, and making room for a
-tenant below its share (fairness.py). A preempted request keeps its tokens and is prefilled again."""
+"""Sending running requests back to the queue: predictive mode's regrowth, making room for a tenant
+below its share (fairness.py), and making room for an urgent class over background work. A preempted
+request keeps its tokens and is prefilled again."""
 
 from __future__ import annotations
 
@@ -87,6 +88,41 @@ def make_room(b: Batcher, cand: Request, chunk: int, ahead: int, plan: StepPlan,
         if left[r.tenant] - own < mine:
             continue
         left[r.tenant] -= own
+        victims.append(r)
+        if proj.without({v.id for v in victims}).admits(entry, b.admission.budget):
+            break
+    else:
+        return
+    gone = {r.id for r in victims}
+    plan.prefill[:] = [(r, n) for r, n in plan.prefill if r.id not in gone]
+    plan.decode[:] = [r for r in plan.decode if r.id not in gone]
+    for r in victims:
+        preempt(b, r, enqueue=False)
+        plan.preempted.append(r)
+        evicted.append(r)
+
+
+def make_room_for_class(
+    b: Batcher, cand: Request, chunk: int, ahead: int, plan: StepPlan, evicted: list[Request]
+) -> None:
+    """`cand` is of an urgent class (headroom_priority or above) and does not fit: preempt background
+    requests (ranked below headroom_priority, so not those aged to the top), the newest first, the
+    fewest with which the projection admits `cand`; or none, when no such set makes room. Background
+    work yields within the step; the victims keep their tokens and go back to the queue after the walk
+    (`evicted`), to be prefilled again when there is room."""
+    order, floor = b.order, b.config.headroom_priority
+    if -order[cand.id][0] < floor:
+        return
+    pool = [
+        r for r in b.running.values() if -order[r.id][0] < floor and not r.shared and r.admitted_step < b.step
+    ]
+    if not pool:
+        return
+    pool.sort(key=lambda r: (order[r.id][0], r.admitted_step), reverse=True)  # the lowest class, the newest
+    proj = b.projector
+    entry = proj.entry(cand, chunk, ahead)
+    victims: list[Request] = []
+    for r in pool:
         victims.append(r)
         if proj.without({v.id for v in victims}).admits(entry, b.admission.budget):
             break

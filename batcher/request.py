@@ -34,7 +34,10 @@ class Request:
     id: str
     input_len: int
     max_new_tokens: int
-    arrival_s: float = 0.0
+    arrival_s: float = 0.0  # when the batcher got it: aging and the jump window count from here
+    # when it was submitted upstream (a job queued in Redis first), on the same clock: its place in its
+    # class's queue; None: arrival_s
+    submitted_s: float | None = None
     generated: int = 0
     prefilled: int = 0
     reserved_new: int = 0

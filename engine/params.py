@@ -84,6 +84,9 @@ class GenerationRequest:
     cache_salt: str = ""
     # unix seconds: still waiting for admission then, it ends unrun with a "deadline: ..." error
     deadline: float | None = None
+    # unix seconds it was submitted (a job's queue time): its place among the waiting requests counts from
+    # then, not from when the engine received it, which for a batch of messages is thread order
+    submitted_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,7 +52,19 @@ from typing import Any
 from .results import Finished
 
 # the atomic state changes, in Lua (scripts.py), are part of the contract: importable from here
-from .scripts import ABORT, BEGIN, CANCEL, CHARGE, FAIL, MOVE_QUEUED, REQUEUE, SUBMIT, WRITE_BATCH  # noqa: F401
+from .scripts import (  # noqa: F401
+    ABORT,
+    BEGIN,
+    CANCEL,
+    CHARGE,
+    FAIL,
+    MOVE_QUEUED,
+    RELEASE,
+    REQUEUE,
+    STAGE,
+    SUBMIT,
+    WRITE_BATCH,
+)  # fmt: skip
 
 TASK_NAME = "weightq.generate"
 
@@ -115,8 +127,39 @@ def served_queue(name: str) -> str:
     """The shared queue a worker's own queue serves (a shared queue serves itself): where a message
     that goes back (a dead worker's, a warm shutdown's, a visibility timeout's) is restored, so that any
     worker takes it."""
+    name = name.removesuffix(STAGED_MARK)
     head, mark, _ = name.partition(OWN_QUEUE_MARK)
     return head if mark else name
+
+
+# Fair staging (FAIR_QUEUE): a client sends a job to `staged_queue(target)` and the transport files it
+# in the target's staged sets instead of the lists Celery consumes; a worker releases staged jobs into
+# its own queue only as fast as it can start them (RELEASE), so the queue's order is the scheduler's.
+STAGED_MARK = "::staged"  # a QUEUE name may not hold it either
+PRIORITY_LEVELS = 10  # kombu's priority steps 0-9 (celery_config.py): one list, and one staged set, each
+
+
+def staged_queue(target: str) -> str:
+    """The name a client sends a job to so that it is staged for `target` (a queue Celery consumes)."""
+    return target + STAGED_MARK
+
+
+def staged_target(name: str) -> str | None:
+    """The queue a staged name stages for; None for a queue Celery consumes directly."""
+    return name.removesuffix(STAGED_MARK) if name.endswith(STAGED_MARK) else None
+
+
+def staged_sets(target: str) -> list[str]:
+    """The sorted sets of jobs staged for `target`, one per broker priority, in the order kombu takes
+    its lists (priority 0, the most urgent class, first). Each member is a kombu message as kombu would
+    have pushed it; its score, its start tag in the target's fair order (STAGE)."""
+    return [f"weightq:staged:{target}:{p}" for p in range(PRIORITY_LEVELS)]
+
+
+def fair_key(target: str) -> str:
+    """The target's fair-order state (STAGE, RELEASE): `v` the virtual clock, `t:<tenant>` each
+    tenant's finish tag, in weight units (prompt + new tokens)."""
+    return f"weightq:fair:{target}"
 
 
 def writer_key(token: str) -> str:

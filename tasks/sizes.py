@@ -6,7 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from .limits import MAX_MESSAGES, MAX_REQUEST_PROMPT_UNITS
-from .request import RequestError
+from .request import JobRequest, RequestError
+
+CHARS_PER_TOKEN = 4  # a prompt's tokens, estimated on the web side (no tokenizer there)
+UNBOUNDED_NEW_TOKENS = 512  # what a job that names no max_new_tokens is charged for, in a fair order
 
 
 def prompt_units(job: Mapping) -> int:
@@ -33,3 +36,17 @@ def check_request_size(jobs: list[Mapping], n: int = 1, field: str = "prompt") -
             f"{len(jobs) * n} choices ask for {total} prompt characters or token ids in all, "
             f"more than {MAX_REQUEST_PROMPT_UNITS} per request",
         )
+
+
+def job_weight(job: JobRequest) -> int:
+    """A job's weight in the batcher's units, estimated without a tokenizer: its prompt's tokens
+    (token ids counted, text at CHARS_PER_TOKEN characters a token) plus its new tokens. Fair staging
+    charges a tenant this much per job (tasks/scripts.py: STAGE)."""
+    if job.prompt_token_ids is not None:
+        prompt = len(job.prompt_token_ids)
+    elif job.messages is not None:
+        prompt = sum(len(m.content) // CHARS_PER_TOKEN + 4 for m in job.messages)
+    else:
+        prompt = len(job.prompt or "") // CHARS_PER_TOKEN
+    new = job.max_new_tokens if job.max_new_tokens is not None else UNBOUNDED_NEW_TOKENS
+    return max(1, prompt + 1 + new)

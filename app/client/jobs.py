@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 import redis
+from weightq.celery_config import own_transport
 from weightq.redis_conn import Durable, connect, retrying
 from weightq.settings import Settings
 from weightq.tasks.contract import (
@@ -39,11 +40,14 @@ from weightq.tasks.contract import (
     decode_fields,
     job_key,
     outcome,
+    staged_queue,
     stream_key,
 )
 from weightq.tasks.limits import broker_priority
 from weightq.tasks.request import JobRequest, parse_request
 from weightq.tasks.results import TokenLogprobs
+from weightq.tasks.sizes import job_weight
+from weightq.transport import TENANT_HEADER, WEIGHT_HEADER
 
 from .pressure import Backpressure
 from .routing import Router
@@ -172,6 +176,9 @@ class Client:
         self.submit_script = self.redis.register_script(SUBMIT)
         self.cancel_script = self.redis.register_script(CANCEL)
         self.router = Router(self.redis, self.broker, self.settings)  # which queue each job goes to (AFFINITY)
+        # Fair staging (FAIR_QUEUE): jobs wait in their queue's staged sets, in the scheduler's order,
+        # until a worker that can start them releases them (app/worker/intake.py)
+        self.stages = self.settings.fair_queue and own_transport(url)
         self._app = None
 
     @property
@@ -225,22 +232,24 @@ class Client:
         # lost reply may deliver a message twice: delivery is at least once.
         retrying(lambda: self.durable.run_many(self.submit_script, calls), s.redis_retry_s, pause_s=0.2)
         queues = retrying(lambda: self.router.queues(jobs), s.redis_retry_s, pause_s=0.2)
-        retrying(lambda: self._publish(ids, wire, queues), s.redis_retry_s, pause_s=0.2)
+        retrying(lambda: self._publish(ids, jobs, wire, queues), s.redis_retry_s, pause_s=0.2)
         return [Job(self, job_id) for job_id in ids]
 
-    def _publish(self, ids: list[str], requests: list[dict], queues: list[str]) -> None:
+    def _publish(self, ids: list[str], jobs: list[JobRequest], requests: list[dict], queues: list[str]) -> None:
         app = self.app
         with app.producer_or_acquire() as producer, producer.batch(max_size=4 * len(ids)):
-            for job_id, request, queue in zip(ids, requests, queues, strict=True):
+            for job_id, job, request, queue in zip(ids, jobs, requests, queues, strict=True):
+                staged = {"headers": {TENANT_HEADER: job.tenant, WEIGHT_HEADER: job_weight(job)}} if self.stages else {}
                 app.send_task(
                     TASK_NAME,
                     args=[request],
                     task_id=job_id,
-                    queue=queue,
+                    queue=staged_queue(queue) if self.stages else queue,
                     argsrepr=args_repr(request),
                     kwargsrepr="{}",
                     producer=producer,
                     priority=broker_priority(request["priority"]),
+                    **staged,
                 )
 
     def job(self, job_id: str) -> Job:

@@ -24,7 +24,7 @@ from weightq.settings import Settings
 from weightq.tasks.contract import HEARTBEATS
 from weightq.tasks.limits import MAX_PRIORITY
 from weightq.tasks.request import JobRequest
-from weightq.transport import priority_queues
+from weightq.transport import waiting_by_priority
 
 from .backlog import DeadlineUnreachable, Overloaded, Projection, WorkerOutlook, project
 
@@ -63,14 +63,10 @@ class Backpressure:
         workers = [w for w in beats if (w.get("queue") or queue) == queue]
         # the shared queue's lists and each worker's own (prefix affinity): a job waits in one of them
         queues = [queue, *sorted({w["own_queue"] for w in workers if w.get("own_queue")})]
-        pipe = self.broker.pipeline(transaction=False)
-        for name in queues:
-            for key in priority_queues(name):
-                pipe.llen(key)
-        depths = pipe.execute()
         queued: Counter[int] = Counter()
-        for i, n in enumerate(depths):
-            queued[MAX_PRIORITY - i % (MAX_PRIORITY + 1)] += n
+        for by_priority in waiting_by_priority(self.broker, queues):  # lists and staged sets
+            for i, n in enumerate(by_priority):
+                queued[MAX_PRIORITY - i] += n
         outlooks = [o for w in workers if (o := WorkerOutlook.of(w, now)) is not None]
         return project(outlooks, queued)
 

@@ -12,7 +12,8 @@ in `weightq:worker-queues` so that any worker can find every own queue:
 - a dead worker's queue: whoever finds its instance's lease lapsed (lease.py) moves what waits there
   to the shared queue, the messages the reaper restored to it included (a message goes back to the
   queue it was sent to). No accepted job waits on a worker that is gone.
-Messages move with one Lua script (MOVE_QUEUED), list by list, so none is ever out of Redis.
+Messages move with one Lua script (MOVE_QUEUED), list by list, and staged jobs (FAIR_QUEUE) with
+RELEASE, so none is ever out of Redis.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from weightq.metrics import live_workers
 from weightq.settings import Settings
 from weightq.tasks.contract import HEARTBEATS, MOVE_QUEUED, WORKER_QUEUES, lease_key, worker_queue
 from weightq.transport import priority_queues, waiting_counts
+
+from .intake import EVERYTHING, Release
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,7 @@ class Affinity:
         self.hostname, self.instance = hostname, instance
         self.queue = worker_queue(settings.queue, hostname) if settings.affinity else None
         self._move = broker.register_script(MOVE_QUEUED)
+        self._release = Release(broker)
         self._seen_waiting: set[str] = set()  # other own queues found non-empty by the last poll
         self._gone: dict[str, float] = {}  # own queues of lapsed leases -> since when (monotonic)
         self.stolen = 0  # messages this worker took from other workers' queues
@@ -79,8 +83,13 @@ class Affinity:
             self.redis.hset(WORKER_QUEUES, self.queue, json.dumps(entry))
 
     def move(self, source: str, dest: str, most: int = 0) -> int:
-        """Move up to `most` (0: all) waiting messages from `source` to `dest`, the oldest first."""
-        return int(self._move(keys=[*priority_queues(source), *priority_queues(dest)], args=[most]))
+        """Move up to `most` (0: all) waiting jobs from `source` to `dest`, the oldest first: its
+        lists' messages, then its staged jobs (FAIR_QUEUE), released into `dest`'s lists."""
+        moved = int(self._move(keys=[*priority_queues(source), *priority_queues(dest)], args=[most]))
+        if most and moved >= most:
+            return moved
+        left = most - moved if most else EVERYTHING
+        return moved + self._release(dest, [source], left, count_waiting=False).jobs
 
     def drain_dead(self) -> int:
         """Move the queues of workers whose lease lapsed to the shared queue; forget those that are

@@ -21,6 +21,7 @@ from weightq.tasks.request import JobRequest, RequestError
 from . import loops
 from .affinity import Affinity, steal_loop
 from .inflight import InFlight
+from .intake import Intake, intake_loop
 from .jobs import SHUTDOWN, DeadLettered, GenerationFailed, JobRunner
 from .lease import WorkerLease, new_instance
 from .publisher import StreamPublisher
@@ -59,6 +60,7 @@ class WorkerHost:
         self.lease = WorkerLease(client, settings, hostname, self.instance)
         self.reaper = Reaper(client, self.broker, settings, self.instance)
         self.affinity = Affinity(client, self.broker, settings, hostname, self.instance)  # its own queue (AFFINITY)
+        self.intake = Intake(self.broker, settings, hostname)  # what it takes from the queue, and when
         publisher.on_superseded = engine.cancel  # a job resumed elsewhere: stop this run of it
         self._threads: list[threading.Thread] = []
 
@@ -101,7 +103,7 @@ class WorkerHost:
             ("reap", reap),
             ("cancel", lambda: loops.cancel_loop(r, self.engine, self.inflight, stop)),
             ("lease", lambda: loops.lease_loop(self.broker, s, self.inflight, consumer, stop)),
-            ("prefetch", lambda: loops.prefetch_loop(s, self.engine, self.inflight, consumer, self.stopping, stop)),
+            ("intake", lambda: intake_loop(self.intake, self.engine, self.inflight, consumer, self.stopping, stop)),
             ("recover", recover),
             ("heartbeat", lambda: loops.heartbeat_loop(r, self.hostname, self.stats, stop)),
             ("steal", lambda: steal_loop(self.affinity, self.room, lambda: not len(self.inflight), stop)),
@@ -127,6 +129,7 @@ class WorkerHost:
             "own_queue": self.affinity.queue,  # where clients route this worker's prefixes (None: off)
             "stolen": self.affinity.stolen,
             "drained": self.affinity.drained,
+            "released": self.intake.released,  # staged jobs it released (FAIR_QUEUE)
             "idle_queued_s": round(self.affinity.idle_queued_s, 2),
             "room": self.room(),  # jobs it could take now
             "served_model": s.served_model_name or s.model,

@@ -147,11 +147,11 @@ class JobRunner:
             error = error.decode() if isinstance(error, bytes) else error
             raise GenerationFailed(error or "it failed in an earlier run")
         self._begun[job_id] = attempt = int(attempt)
-        submitted, crashes, resumed_from = started[0], int(started[1]), int(started[2])
+        submitted_s, crashes, resumed_from = float(started[0] or 0) or None, int(started[1]), int(started[2])
         emitted, lps = self._emitted(job_id, spec, resumed_from)
-        request = engine_request(job_id, spec, shared_prefix_cache=s.prefix_cache_shared)
-        if self.publisher.metrics is not None and submitted:
-            self.publisher.metrics.submitted(job_id, float(submitted))  # latency from submission
+        request = engine_request(job_id, spec, shared_prefix_cache=s.prefix_cache_shared, submitted_s=submitted_s)
+        if self.publisher.metrics is not None and submitted_s:
+            self.publisher.metrics.submitted(job_id, submitted_s)  # latency from submission
         request.emitted, request.emitted_logprobs = emitted.token_ids, lps
         extra = {"attempt": attempt, "worker": self.hostname}
         # Suspected of crashing workers: alone in the engine, so that a crash now is its own.

@@ -4,8 +4,8 @@
 - leases: the worker re-stamps its in-flight messages in kombu's `unacked_index`, so only a
   dead worker's jobs outlive the visibility timeout and are redelivered (its own lease, and the
   reaper that resumes a dead worker's jobs within seconds, are lease.py and reaper.py);
-- backpressure: the consumer's prefetch follows what the engine could admit soon, so several
-  workers on one queue share it and none hoards jobs it cannot start;
+- intake (intake.py): staged jobs released, and the consumer's prefetch set, from what the engine
+  can start, so several workers on one queue share it and none hoards jobs it cannot start;
 - recovery (recovery.py) and the heartbeat (the worker's stats, for the gateway, `weightq batch` and Flower).
 """
 
@@ -121,23 +121,6 @@ def delivery_tag_of(consumer: Any, job_id: str) -> str | None:
             continue
         return next((t for t, m in reversed(held) if (m.headers or {}).get("id") == job_id), None)
     return None
-
-
-def prefetch_loop(
-    settings: Settings, engine: AnyEngine, inflight: InFlight, consumer: Callable[[], Any], stopping, stop
-) -> None:
-    """Hold what the engine has, plus what it could admit now (nothing more once anything waits)."""
-    while not stop.wait(0.05):
-        qos = getattr(consumer(), "qos", None)
-        if qos is None or stopping.is_set():
-            continue
-        # a job running alone (or waiting to) admits no other: take no more messages meanwhile
-        room = 0 if inflight.exclusive else engine.room_for()
-        want = max(1, min(settings.concurrency, len(inflight) + room))
-        if want > qos.value:
-            qos.increment_eventually(want - qos.value)
-        elif want < qos.value:
-            qos.decrement_eventually(qos.value - want)
 
 
 def heartbeat_loop(client: redis.Redis, hostname: str, stats: Callable[[], dict], stop) -> None:

@@ -23,9 +23,10 @@ from weightq.tasks.contract import (
     JobState,
     args_repr,
     job_key,
+    staged_sets,
 )
 from weightq.tasks.limits import DEFAULT_PRIORITY, MAX_PRIORITY, broker_priority
-from weightq.transport import priority_queues
+from weightq.transport import priority_queues, waiting_by_priority
 
 from .affinity import own_queues
 
@@ -61,10 +62,7 @@ class LostJobSweeper:
             return []
         grace = time.time() - s.lost_job_grace_s
         lists = priority_queues(s.queue)  # lists[i] holds class MAX_PRIORITY - i
-        pipe = self.broker.pipeline(transaction=False)
-        for name in lists:
-            pipe.llen(name)
-        lengths = pipe.execute()
+        lengths = waiting_by_priority(self.broker, [s.queue])[0]  # and its staged sets (FAIR_QUEUE)
         marks = r.hgetall(STARTED_HW)
         started = {int(k): float(v) for k, v in marks.items()}  # class -> latest submission started
         waiting = sum(lengths)
@@ -96,8 +94,8 @@ class LostJobSweeper:
             log.info("%d jobs look lost, but the queue is too long to scan now", len(queued))
             return []
         # a job may wait in a worker's own queue (prefix affinity) while later ones start elsewhere
-        own = [key for q in own_queues(r, s.queue) for key in priority_queues(q)]
-        present = self._present(queued, lists + own)
+        own = list(own_queues(r, s.queue))
+        present = self._present(queued, [*lists, *(k for q in own for k in priority_queues(q))], [s.queue, *own])
         missing = {j for j in queued if j not in present}
         lost, self._suspects = sorted(missing & self._suspects), missing - self._suspects
         app = self.celery_app()
@@ -129,8 +127,9 @@ class LostJobSweeper:
             self.redis.srem(RESUMING, *ended)
         return [j for j in job_ids if j not in ended]
 
-    def _present(self, job_ids: list[str], lists: list[str]) -> set[str]:
-        """Which of these jobs have a message in the queue's lists or among the unacked ones."""
+    def _present(self, job_ids: list[str], lists: list[str], staging: list[str]) -> set[str]:
+        """Which of these jobs have a message in the queue's lists, staged for one of the `staging`
+        queues, or among the unacked ones."""
         needles = {j: f'"{j}"'.encode() for j in job_ids}
         found: set[str] = set()
 
@@ -144,6 +143,9 @@ class LostJobSweeper:
         for name in lists:
             for start in range(0, self.broker.llen(name), 1000):
                 scan(self.broker.lrange(name, start, start + 999))
+        for name in (key for q in staging for key in staged_sets(q)):
+            for start in range(0, self.broker.zcard(name), 1000):
+                scan(self.broker.zrange(name, start, start + 999))
         return found
 
 

@@ -41,16 +41,28 @@ def engine_config(s: Settings) -> EngineConfig:
 SAME_NAMES = tuple(f.name for f in fields(SamplingParams) if f.name != "guided")
 
 
-def engine_request(job_id: str, job: JobRequest, *, shared_prefix_cache: bool = False) -> GenerationRequest:
+def engine_request(
+    job_id: str, job: JobRequest, *, shared_prefix_cache: bool = False, submitted_s: float | None = None
+) -> GenerationRequest:
     """The engine's request for a job. Its tenant, the one the gateway authenticated, is the one the
     batcher shares service by (batcher/fairness.py); its prefix-cache keys are salted with it too, so
     one tenant can neither reuse another's KV nor learn from `cached_tokens` what another sent, unless
-    the worker shares the cache across tenants (PREFIX_CACHE_SHARED)."""
+    the worker shares the cache across tenants (PREFIX_CACHE_SHARED). `submitted_s` (the job's submission,
+    unix s) is its place in its class: submission order, whatever order task threads reach the engine in."""
     guided = (job.guided.kind, job.guided.spec) if job.guided is not None else None
     params = SamplingParams(**{name: getattr(job, name) for name in SAME_NAMES}, guided=guided)
     ids = list(job.prompt_token_ids) if job.prompt_token_ids is not None else None
     chat = [{"role": m.role, "content": m.content} for m in job.messages] if job.messages is not None else None
     salt = "" if shared_prefix_cache else job.tenant
     return GenerationRequest(
-        job_id, job.prompt, ids, params, chat, job.priority, tenant=job.tenant, cache_salt=salt, deadline=job.deadline
+        job_id,
+        job.prompt,
+        ids,
+        params,
+        chat,
+        job.priority,
+        tenant=job.tenant,
+        cache_salt=salt,
+        deadline=job.deadline,
+        submitted_s=submitted_s,
     )

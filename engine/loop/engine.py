@@ -144,6 +144,11 @@ class Engine:
         """How many more typical requests a worker may take now (Batcher.room_for)."""
         return self.batcher.room_for()
 
+    def waiting(self) -> int:
+        """Requests held but not admitted: the batcher's queue (a worker takes urgent jobs beyond its
+        room only while this is small)."""
+        return len(self.batcher.waiting)
+
     def stats(self) -> dict:
         return engine_stats(self)
 

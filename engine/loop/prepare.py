@@ -4,6 +4,7 @@ reaches the batcher."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,7 @@ class Preparer:
             len(ids),
             max_new,
             arrival_s=now,
+            submitted_s=None if request.submitted_s is None else now - max(0.0, time.time() - request.submitted_s),
             fixed_len=fixed,
             priority=request.priority,
             tenant=request.tenant,

@@ -1,0 +1,141 @@
+"""What a worker takes from the queue, and when: the one place its task slots are given out.
+
+A job reaches the engine only through a task thread (CONCURRENCY of them), and the engine's batcher
+can put the right job first only among the jobs it holds. So the queue in front of it must not be
+first come, first served:
+- **Fair staging** (FAIR_QUEUE): clients stage jobs in sorted sets per class (app/transport.py:
+  `_put`, tasks/scripts.py: STAGE), ordered within a class by each tenant's start tag in weight
+  units; this worker releases them into the lists Celery consumes (RELEASE) only as fast as its
+  engine can start them: what it releases is what the batcher would pick next, whoever flooded.
+- **Slots held back for the urgent classes**: background jobs (priority < 5) may hold at most
+  CONCURRENCY - INTERACTIVE_SLOTS task threads, and the urgent classes are taken even when the
+  engine has no room (up to URGENT_LOOKAHEAD waiting in it): the batcher then starts them in the
+  budget's headroom, or preempts background work for them (batcher: `make_room_for_class`). An
+  interactive job never waits for a batch job to finish.
+- The consumer's prefetch follows the same count, so several workers on one queue share it and none
+  hoards jobs it cannot start.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from weightq.engine import AnyEngine
+from weightq.settings import Settings
+from weightq.tasks.contract import RELEASE, fair_key, staged_sets, worker_queue
+from weightq.tasks.limits import DEFAULT_PRIORITY, broker_priority
+from weightq.transport import priority_queues
+
+from .inflight import InFlight
+from .loops import taken_not_started
+
+TICK_S = 0.02  # how often the worker looks: a staged job waits at most about this long for a free worker
+URGENT_LOOKAHEAD = 4  # urgent jobs taken beyond the engine's room while it has none waiting
+LAST_URGENT = broker_priority(DEFAULT_PRIORITY)  # broker priorities 0..this are the urgent classes
+EVERYTHING = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    jobs: int  # staged jobs moved into the lists Celery consumes
+    urgent_waiting: int  # urgent-class messages waiting in the lists this worker takes from
+
+
+class Release:
+    """RELEASE over one destination queue and its sources (their staged sets)."""
+
+    def __init__(self, broker: redis.Redis) -> None:
+        self._script = broker.register_script(RELEASE)
+
+    def __call__(
+        self,
+        dest: str,
+        sources: list[str],
+        any_class: int,
+        urgent: int = 0,
+        *,
+        watch: str | None = None,
+        count_waiting: bool = True,
+    ) -> Released:
+        """Release up to `any_class` staged jobs of `sources` (in order) into `dest`'s lists, less
+        what waits there already (`count_waiting`), then up to `urgent` more of the urgent classes.
+        `watch`: another queue whose urgent messages this worker takes too (the shared one)."""
+        keys = [*priority_queues(dest), *priority_queues(watch or dest)]
+        for source in sources:
+            keys += [fair_key(source), *staged_sets(source)]
+        args = [any_class, urgent, LAST_URGENT, len(sources), int(count_waiting)]
+        released, waiting = self._script(keys=keys, args=args)
+        return Released(int(released), int(waiting))
+
+
+class Intake:
+    """This worker's release of staged jobs and its prefetch, from its engine's room and its slots."""
+
+    def __init__(self, broker: redis.Redis, settings: Settings, hostname: str) -> None:
+        self.settings = settings
+        own = worker_queue(settings.queue, hostname) if settings.affinity else None
+        self.dest = own or settings.queue  # released jobs go where this worker takes first
+        self.sources = [own, settings.queue] if own else [settings.queue]
+        self.release = Release(broker)
+        self.reserve = settings.reserved_slots()
+        self.released = 0  # staged jobs this worker released (heartbeat, tests)
+
+    def plan(self, room: int, running: int, taken: int, waiting: int, exclusive: bool) -> tuple[int, int]:
+        """(jobs of any class to release, urgent ones beyond the engine's room): `room` typical jobs
+        the engine could start now, `running` jobs in the engine, `taken` messages not yet in it,
+        `waiting` requests the engine holds unadmitted."""
+        if exclusive:  # a job running alone (or waiting to) admits no other
+            return 0, 0
+        s = self.settings
+        held = running + taken
+        any_class = max(0, min(room - taken, s.concurrency - self.reserve - held))
+        urgent = max(0, min(s.concurrency - held, URGENT_LOOKAHEAD) - waiting - taken)
+        return any_class, urgent
+
+    def tick(self, engine: AnyEngine, inflight: InFlight, consumer: Any) -> int | None:
+        """One look: release what the engine can start; returns the prefetch the consumer should
+        allow (None: no consumer yet)."""
+        qos = getattr(consumer, "qos", None)
+        if qos is None:
+            return None
+        s = self.settings
+        exclusive = inflight.exclusive
+        room = 0 if exclusive else engine.room_for()
+        running = len(inflight)
+        taken = taken_not_started(inflight, consumer)
+        any_class, urgent = self.plan(room, running, taken, engine.waiting(), exclusive)
+        watch = s.queue if self.dest != s.queue else None
+        # without staging, the same call only counts the urgent messages waiting
+        sources = self.sources if s.fair_queue else []
+        out = self.release(self.dest, sources, any_class, urgent, watch=watch)
+        self.released += out.jobs
+        extra = min(out.urgent_waiting, urgent)
+        # background work may not take the reserved slots; urgent messages waiting may, up to the lookahead
+        base = min(s.concurrency - self.reserve, running + room) if not exclusive else running
+        return max(1, min(s.concurrency, base + extra))
+
+
+def intake_loop(
+    intake: Intake,
+    engine: AnyEngine,
+    inflight: InFlight,
+    consumer: Callable[[], Any],
+    stopping: threading.Event,
+    stop: threading.Event,
+) -> None:
+    while not stop.wait(TICK_S):
+        if stopping.is_set():
+            continue
+        c = consumer()
+        want = intake.tick(engine, inflight, c)
+        if want is None:
+            continue
+        qos = c.qos
+        if want > qos.value:
+            qos.increment_eventually(want - qos.value)
+        elif want < qos.value:
+            qos.decrement_eventually(qos.value - want)
