@@ -103,7 +103,7 @@ class StaleChannelSafe:
         except (TypeError, ValueError):
             weight = 1
         pri = self._get_message_priority(message, reverse=False)
-        args = (STAGE, 2, staged_sets(target)[pri], fair_key(target), kombu_redis.dumps(message), tenant, weight)
+        args = (STAGE, 2, staged_sets(target)[pri], fair_key(target), kombu_redis.dumps(message), tenant, weight, pri)
         batch = kwargs.pop("_publish_batch", None)
         if batch is not None:
             batch.add("eval", *args)

@@ -113,9 +113,7 @@ def make_room_for_class(
     order, floor = b.order, b.config.headroom_priority
     if -order[cand.id][0] < floor:
         return
-    pool = [
-        r for r in b.running.values() if -order[r.id][0] < floor and not r.shared and r.admitted_step < b.step
-    ]
+    pool = [r for r in b.running.values() if -order[r.id][0] < floor and not r.shared and r.admitted_step < b.step]
     if not pool:
         return
     pool.sort(key=lambda r: (order[r.id][0], r.admitted_step), reverse=True)  # the lowest class, the newest

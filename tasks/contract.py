@@ -157,8 +157,8 @@ def staged_sets(target: str) -> list[str]:
 
 
 def fair_key(target: str) -> str:
-    """The target's fair-order state (STAGE, RELEASE): `v` the virtual clock, `t:<tenant>` each
-    tenant's finish tag, in weight units (prompt + new tokens)."""
+    """The target's fair-order state (STAGE, RELEASE): `v:<priority>` each class's virtual clock,
+    `t:<tenant>` each tenant's finish tag, in weight units (prompt + new tokens)."""
     return f"weightq:fair:{target}"
 
 

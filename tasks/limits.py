@@ -20,6 +20,11 @@ from enum import StrEnum
 MIN_PRIORITY = 0
 MAX_PRIORITY = 9
 DEFAULT_PRIORITY = 5
+# Offline work (`weightq batch`, OpenAI batch files, a client's submit_many of BULK_JOBS or more jobs)
+# runs at this class unless it names one: background, so it fills what interactive work leaves and yields
+# to it within a step; above the lowest classes, so a user can still put work beneath it.
+BATCH_PRIORITY = 2
+BULK_JOBS = 64
 
 
 # The highest class a gateway caller may ask for (X-Priority) unless KEY_PRIORITIES grants its key

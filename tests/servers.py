@@ -13,3 +13,26 @@ def embedded_redis(tmp_path_factory, name: str = "redis") -> Iterator[str]:
     url = server.start()
     yield url
     server.stop()
+
+
+def queued_messages(r, queue: str = "weightq") -> list[bytes]:
+    """Every message waiting for `queue`: in the lists Celery consumes and staged (FAIR_QUEUE)."""
+    from weightq.tasks.contract import staged_sets
+    from weightq.transport import priority_queues
+
+    lists = [m for q in priority_queues(queue) for m in r.lrange(q, 0, -1)]
+    return lists + [m for key in staged_sets(queue) for m in r.zrange(key, 0, -1)]
+
+
+def take_queued(r, queue: str = "weightq") -> bytes | None:
+    """Take one waiting message of `queue` out of Redis (a message a crash lost), wherever it waits."""
+    from weightq.tasks.contract import staged_sets
+    from weightq.transport import priority_queues
+
+    for q in priority_queues(queue):
+        if (m := r.rpop(q)) is not None:
+            return m
+    for key in staged_sets(queue):
+        if popped := r.zpopmin(key):
+            return popped[0][0]
+    return None

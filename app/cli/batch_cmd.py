@@ -39,7 +39,10 @@ def batch_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-in-flight", type=int, default=256, help="jobs queued at once (default 256)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
-        "--priority", type=int, default=None, help="priority class 0-9 of lines that name none (background: below 5)"
+        "--priority",
+        type=int,
+        default=None,
+        help="priority class 0-9 of lines that name none (default 2: background, below 5, yields to interactive work)",
     )
     p.add_argument(
         "--local",

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from weightq.tasks.contract import job_key
+from weightq.tasks.limits import BATCH_PRIORITY
 from weightq.tasks.request import JobRequest, RequestError, parse_request
 
 from .backlog import Overloaded
@@ -177,7 +178,7 @@ class BatchRun:
         self.progress = Progress()
         self.bar = bar
         self.run_tag = uuid.uuid4().hex[:10]  # job ids are fresh per run: a resumed line never meets its old job
-        self.priority = priority  # the class of lines that name none (None: the job default)
+        self.priority = BATCH_PRIORITY if priority is None else priority  # of lines that name none: background
 
     def write(self, record: dict) -> None:
         self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -298,8 +299,8 @@ def run_batch(
     priority: int | None = None,
     watch: Callable[[], None] | None = None,
 ) -> tuple[dict, bool]:
-    """Returns (summary, interrupted). `priority`: the class of lines that name none; `watch`: called
-    now and then while jobs run."""
+    """Returns (summary, interrupted). `priority`: the class of lines that name none (None:
+    BATCH_PRIORITY, background); `watch`: called now and then while jobs run."""
     from tqdm import tqdm
 
     skip = done_ids(output_path)

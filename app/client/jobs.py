@@ -43,7 +43,7 @@ from weightq.tasks.contract import (
     staged_queue,
     stream_key,
 )
-from weightq.tasks.limits import broker_priority
+from weightq.tasks.limits import BATCH_PRIORITY, BULK_JOBS, broker_priority
 from weightq.tasks.request import JobRequest, parse_request
 from weightq.tasks.results import TokenLogprobs
 from weightq.tasks.sizes import job_weight
@@ -209,11 +209,21 @@ class Client:
             request["deadline"] = expires.timestamp() if isinstance(expires, datetime) else time.time() + expires
         return self.submit_many([request])[0]
 
-    def submit_many(self, requests: Sequence[JobRequest | Mapping], *, checked: bool = False) -> list[Job]:
+    def submit_many(
+        self, requests: Sequence[JobRequest | Mapping], *, checked: bool = False, background: bool | None = None
+    ) -> list[Job]:
         """Enqueue several requests in two Redis round trips, however many: one pipeline records every
         job, one publishes every message. A JobRequest was checked when it was built; a dict (the
         submit() fields) is parsed here, and a bad one raises RequestError before anything is written.
-        The gateway sends the requests that arrive together this way."""
+        The gateway sends the requests that arrive together this way. `background`: dicts that name no
+        priority run at BATCH_PRIORITY (None: when there are BULK_JOBS or more of them, offline work)."""
+        if background is None:
+            background = len(requests) >= BULK_JOBS
+        if background:
+            requests = [
+                r if isinstance(r, JobRequest) or "priority" in r else {**r, "priority": BATCH_PRIORITY}
+                for r in requests
+            ]
         jobs = [r if isinstance(r, JobRequest) else parse_request(r) for r in requests]
         if not checked:  # the gateway checks once per HTTP request, before its choices are parsed apart
             self.backpressure.admit(jobs)

@@ -132,6 +132,7 @@ class WorkerHost:
             "released": self.intake.released,  # staged jobs it released (FAIR_QUEUE)
             "idle_queued_s": round(self.affinity.idle_queued_s, 2),
             "room": self.room(),  # jobs it could take now
+            "in_pipe": loops.taken_not_started(self.inflight, self.consumer) if self.consumer is not None else 0,
             "served_model": s.served_model_name or s.model,
         }
         if self.publisher.metrics is not None:

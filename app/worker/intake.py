@@ -35,6 +35,10 @@ from .loops import taken_not_started
 
 TICK_S = 0.02  # how often the worker looks: a staged job waits at most about this long for a free worker
 URGENT_LOOKAHEAD = 4  # urgent jobs taken beyond the engine's room while it has none waiting
+# Released jobs not yet in the engine (Celery's consumer and task threads start a few hundred a second):
+# a better job staged meanwhile waits behind at most this many, where releasing the whole room at once
+# kept a light tenant's job ~1 s behind a flood's released jobs.
+IN_PIPE = 16
 LAST_URGENT = broker_priority(DEFAULT_PRIORITY)  # broker priorities 0..this are the urgent classes
 EVERYTHING = 1 << 30
 
@@ -42,7 +46,7 @@ EVERYTHING = 1 << 30
 @dataclass(frozen=True, slots=True)
 class Released:
     jobs: int  # staged jobs moved into the lists Celery consumes
-    urgent_waiting: int  # urgent-class messages waiting in the lists this worker takes from
+    waiting: int  # messages waiting in the lists this worker takes from
 
 
 class Release:
@@ -57,17 +61,19 @@ class Release:
         sources: list[str],
         any_class: int,
         urgent: int = 0,
+        behind: int = 0,
         *,
         watch: str | None = None,
         count_waiting: bool = True,
     ) -> Released:
         """Release up to `any_class` staged jobs of `sources` (in order) into `dest`'s lists, less
-        what waits there already (`count_waiting`), then up to `urgent` more of the urgent classes.
+        what waits there already (`count_waiting`), then up to `urgent` more of the urgent classes,
+        then up to `behind` more of tenants below their share (start tag at most the virtual clock).
         `watch`: another queue whose urgent messages this worker takes too (the shared one)."""
         keys = [*priority_queues(dest), *priority_queues(watch or dest)]
         for source in sources:
             keys += [fair_key(source), *staged_sets(source)]
-        args = [any_class, urgent, LAST_URGENT, len(sources), int(count_waiting)]
+        args = [any_class, urgent, LAST_URGENT, len(sources), int(count_waiting), behind]
         released, waiting = self._script(keys=keys, args=args)
         return Released(int(released), int(waiting))
 
@@ -84,17 +90,25 @@ class Intake:
         self.reserve = settings.reserved_slots()
         self.released = 0  # staged jobs this worker released (heartbeat, tests)
 
-    def plan(self, room: int, running: int, taken: int, waiting: int, exclusive: bool) -> tuple[int, int]:
-        """(jobs of any class to release, urgent ones beyond the engine's room): `room` typical jobs
-        the engine could start now, `running` jobs in the engine, `taken` messages not yet in it,
-        `waiting` requests the engine holds unadmitted."""
+    def plan(
+        self, room: int, running: int, taken: int, urgency: tuple[int, int], exclusive: bool
+    ) -> tuple[int, int, int]:
+        """(jobs of any class to release, urgent ones beyond the engine's room, jobs of tenants below
+        their share beyond it): `room` typical jobs the engine could start now, `running` jobs in the
+        engine, `taken` messages not yet in it, `urgency` the engine's (urgent requests waiting,
+        background requests running). Urgent jobs go beyond the room only while background work runs
+        that they can preempt, a few at a time: a lookahead filled with jobs of the class it runs would
+        only keep a better one out. A tenant below its share goes beyond it too (the batcher preempts
+        the heaviest tenant's newest requests for it), a few at a time."""
         if exclusive:  # a job running alone (or waiting to) admits no other
-            return 0, 0
+            return 0, 0, 0
         s = self.settings
         held = running + taken
-        any_class = max(0, min(room - taken, s.concurrency - self.reserve - held))
-        urgent = max(0, min(s.concurrency - held, URGENT_LOOKAHEAD) - waiting - taken)
-        return any_class, urgent
+        any_class = max(0, min(room, IN_PIPE, s.concurrency - self.reserve - running) - taken)
+        lookahead = max(0, min(s.concurrency - held, URGENT_LOOKAHEAD) - taken)
+        behind = min(lookahead, max(0, s.concurrency - self.reserve - held))
+        urgent_waiting, background = urgency
+        return any_class, (max(0, lookahead - urgent_waiting) if background else 0), behind
 
     def tick(self, engine: AnyEngine, inflight: InFlight, consumer: Any) -> int | None:
         """One look: release what the engine can start; returns the prefetch the consumer should
@@ -107,16 +121,20 @@ class Intake:
         room = 0 if exclusive else engine.room_for()
         running = len(inflight)
         taken = taken_not_started(inflight, consumer)
-        any_class, urgent = self.plan(room, running, taken, engine.waiting(), exclusive)
+        any_class, urgent, behind = self.plan(room, running, taken, engine.urgency(), exclusive)
         watch = s.queue if self.dest != s.queue else None
         # without staging, the same call only counts the urgent messages waiting
         sources = self.sources if s.fair_queue else []
-        out = self.release(self.dest, sources, any_class, urgent, watch=watch)
+        out = self.release(self.dest, sources, any_class, urgent, behind, watch=watch)
         self.released += out.jobs
-        extra = min(out.urgent_waiting, urgent)
-        # background work may not take the reserved slots; urgent messages waiting may, up to the lookahead
+        extra = min(out.waiting, urgent + behind)
+        # background work may not take the reserved slots; what went beyond the room may, up to the lookahead
         base = min(s.concurrency - self.reserve, running + room) if not exclusive else running
         return max(1, min(s.concurrency, base + extra))
+
+
+def _wake() -> None:
+    """Nothing: a tick of Celery's event loop, which applies the prefetch and re-arms kombu's BRPOP."""
 
 
 def intake_loop(
@@ -131,6 +149,7 @@ def intake_loop(
         if stopping.is_set():
             continue
         c = consumer()
+        released = intake.released
         want = intake.tick(engine, inflight, c)
         if want is None:
             continue
@@ -139,3 +158,8 @@ def intake_loop(
             qos.increment_eventually(want - qos.value)
         elif want < qos.value:
             qos.decrement_eventually(qos.value - want)
+        hub = getattr(c, "hub", None)
+        if hub is not None and (intake.released > released or want != qos.prev):
+            # kombu re-arms its BRPOP only at a tick of Celery's event loop, and only while the prefetch
+            # has room: without a wake, jobs released after the prefetch had filled waited ~1 s there
+            hub.call_soon(_wake)

@@ -144,10 +144,9 @@ class Engine:
         """How many more typical requests a worker may take now (Batcher.room_for)."""
         return self.batcher.room_for()
 
-    def waiting(self) -> int:
-        """Requests held but not admitted: the batcher's queue (a worker takes urgent jobs beyond its
-        room only while this is small)."""
-        return len(self.batcher.waiting)
+    def urgency(self) -> tuple[int, int]:
+        """(urgent requests waiting, background requests running): Batcher.urgency."""
+        return self.batcher.urgency()
 
     def stats(self) -> dict:
         return engine_stats(self)

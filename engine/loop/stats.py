@@ -83,6 +83,7 @@ def engine_stats(engine: Engine) -> dict:
     return {
         "running": len(b.running),
         "waiting": len(b.waiting),
+        "urgency": b.urgency(),  # (urgent waiting, background running): what a worker takes beyond its room
         "batch_weight": b.batch_weight(),
         "max_batch_weight": b.budget,
         "max_input_length": engine.max_input_length,

@@ -120,12 +120,14 @@ class EngineProcess:
             unseen = self._sent - stats.get("submits_seen", 0)
         return max(0, stats.get("room_for", 0) - unseen)
 
-    def waiting(self) -> int:
-        """The child's requests waiting for admission at its last snapshot, plus those sent since."""
+    def urgency(self) -> tuple[int, int]:
+        """The child's (urgent waiting, background running) at its last snapshot; the requests sent
+        since count as urgent ones waiting (not yet known to be admitted)."""
         stats = self._stats
         with self._lock:
             unseen = self._sent - stats.get("submits_seen", 0)
-        return stats.get("waiting", 0) + max(0, unseen)
+        waiting, background = stats.get("urgency", (0, 0))
+        return waiting + max(0, unseen), background
 
     def stop(self, reason: FinishReason = "cancelled", message: str | None = None, timeout: float = 60.0) -> None:
         """Stop the child's loop; every request still inside finishes with `reason` (those events reach

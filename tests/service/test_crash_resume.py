@@ -18,7 +18,9 @@ from weightq.cli.processes import GatewayProcess
 from weightq.client import JobFailed
 from weightq.engine.sampling.grammar import available
 from weightq.tasks.contract import LEASES, emitted_tokens, engine_jobs_key, held_key, job_key, stream_key
-from weightq.transport import priority_queues, restore_unacked
+from weightq.transport import restore_unacked
+
+from tests.servers import queued_messages
 
 SLOW_RESTORE = dict(visibility_timeout_s=600, max_batch_weight=32768, concurrency=32)
 N = 1200  # tokens per job: none finishes while the second worker starts
@@ -46,7 +48,7 @@ def where(r: redis.Redis, job_ids: list[str]) -> dict:
     """Unfinished jobs' hashes and where their messages are (a failing test's message)."""
     held = {i: r.smembers(held_key(i)) for i in r.hkeys(LEASES)}
     unacked = {t: json.loads(m)[0]["headers"]["id"] for t, m in r.hgetall("unacked").items()}
-    queued = [json.loads(m)["headers"]["id"] for q in priority_queues("weightq") for m in r.lrange(q, 0, -1)]
+    queued = [json.loads(m)["headers"]["id"] for m in queued_messages(r)]
     return {
         j: (r.hgetall(job_key(j)) | {"request": ""}, [t for t, i in unacked.items() if i == j], queued.count(j))
         for j in job_ids

@@ -16,7 +16,8 @@ from weightq.cli.redis_server import EmbeddedRedis
 from weightq.client import Client, JobFailed
 from weightq.settings import Settings
 from weightq.tasks.contract import held_key, job_key, stream_key
-from weightq.transport import priority_queues
+
+from tests.servers import queued_messages, take_queued
 
 
 def end_entries(url: str, job_id: str) -> list[dict]:
@@ -68,8 +69,7 @@ def test_a_job_whose_message_was_lost_is_sent_again(service):
     recovery sweep finds it in neither the queue nor the unacked set (twice) and sends it again."""
     r = redis.Redis.from_url(service.url)
     job = service.client.submit("lost and found", max_new_tokens=5, request_id="lost-1")
-    queue = priority_queues("weightq")[4]  # the default class, 5
-    assert r.rpop(queue) is not None and r.llen(queue) == 0  # the message is gone
+    assert take_queued(r) is not None and not queued_messages(r)  # the message is gone
     service.worker(lost_job_grace_s=1, recover_interval_s=1).wait_ready()
     result = job.result(timeout=60)
     assert result["usage"]["completion_tokens"] == 5 and result["attempt"] == 1
@@ -85,7 +85,7 @@ def test_a_resumed_job_whose_message_was_lost_is_sent_again(service):
 
     r = redis.Redis.from_url(service.url, decode_responses=True)
     service.client.submit("lost on the way back", max_new_tokens=5, request_id="lr-1")
-    assert any(r.rpop(q) for q in priority_queues("weightq"))  # the message is gone
+    assert take_queued(r) is not None  # the message is gone
     r.hset(job_key("lr-1"), mapping={"state": "running", "attempt": 1, "run": "r1", "charged": "r1", "owner": "x/1"})
     r.sadd(RESUMING, "lr-1")
     service.worker(recover_interval_s=1).wait_ready()
@@ -149,7 +149,7 @@ def test_worker_restarts_under_load_sigterm_then_sigkill(service):
         deadline = time.monotonic() + timeout
         while (done := states().count("done")) < n:
             if time.monotonic() > deadline:
-                held = [m for q in priority_queues("weightq") for m in r.lrange(q, 0, -1)] + r.hvals("unacked")
+                held = [m.decode() for m in queued_messages(redis.Redis.from_url(service.url))] + r.hvals("unacked")
                 left = {
                     j: (r.hgetall(job_key(j)) | {"request": "", "result": ""}, sum(f'"{j}"' in m for m in held))
                     for j, state in zip(asked, states(), strict=True)

@@ -16,9 +16,8 @@ from weightq.cli.processes import GatewayProcess, WorkerProcess
 from weightq.client import Client
 from weightq.settings import Settings
 from weightq.tasks.contract import LEASES, QUEUED, STREAM_TICK, job_key, stream_key
-from weightq.transport import priority_queues
 
-from tests.servers import embedded_redis
+from tests.servers import embedded_redis, queued_messages, take_queued
 from tests.service.test_crash_resume import check_one_generation
 
 WORKER = dict(max_batch_weight=16384, concurrency=32, engine_process="off", visibility_timeout_s=600)
@@ -58,8 +57,8 @@ def test_streams_and_job_state_live_on_their_own_redis(plane, data_url, tmp_path
     broker, data = plane.broker, plane.data
     early = [plane.client.submit(f"split {i}", max_new_tokens=24, request_id=f"e{i}") for i in range(3)]
     # Queued before any worker: the messages wait on the broker, the jobs are recorded with the streams.
-    assert sum(broker.llen(q) for q in priority_queues("weightq")) == 3
-    assert not any(data.exists(q) for q in priority_queues("weightq"))
+    assert len(queued_messages(broker)) == 3
+    assert not queued_messages(data)
     assert all(data.hget(job_key(j.id), "state") == "queued" for j in early)
     plane.worker("split@test").wait_ready()
     gateway = GatewayProcess(plane.url, tmp_path, streams_redis_url=data_url).wait_ready()
@@ -137,7 +136,7 @@ def test_a_job_whose_message_the_broker_lost_is_sent_again_from_the_streams_redi
     still queued on the streams' Redis: the recovery sweep finds it in neither the broker's lists nor
     its unacked messages, twice, and sends it again from the request kept in the job hash."""
     job = plane.client.submit("lost on the broker", max_new_tokens=5, request_id="lost-split")
-    assert plane.broker.rpop(priority_queues("weightq")[4]) is not None  # the default class, 5
+    assert take_queued(plane.broker) is not None
     plane.worker("lost@test", lost_job_grace_s=1, recover_interval_s=1).wait_ready()
     result = job.result(timeout=60)
     assert result["usage"]["completion_tokens"] == 5 and result["attempt"] == 1

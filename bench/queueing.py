@@ -1,0 +1,275 @@
+"""The queue's promises through the whole stack: interactive requests beside a `weightq batch`, a light
+tenant beside another's flood, on one, two and four workers.
+
+    python -m weightq.bench.queueing --json        # [--workers 1,2,4] [--lines 3000] [--flood 1000] [--seconds 20]
+
+A real Redis, the HTTP gateway, `weightq batch` as a user runs it (default flags), and `weightq worker`s
+on the simulated device (RUNNER=simulated: a step of SIM_STEP_COST's time, the GIL free as during a GPU
+kernel, so capacity is known and the two cores stay for the serving path). Interactive callers are
+streaming chat completions through the gateway, one every 0.5 s, 16 tokens; TTFT is the time to the
+first token's SSE event.
+
+- batch: interactive TTFT p50/p99 alone, then while a 3,000-line `weightq batch` (no flags: background)
+  runs; the batch's lines/s alone and with the interactive load. Target: TTFT p99 <= max(1.5x solo,
+  0.5 s), batch >= 0.9x its solo lines/s.
+- tenants: two API keys in one class; one floods `--flood` streaming completions at once, the other
+  sends one every 0.5 s. The light tenant's TTFT alone and beside the flood, through a gateway with fair
+  staging (FAIR_QUEUE, the default) and one without (first come, first served), on the same workers;
+  the flood's completions/s with each. Target: light TTFT p99 <= max(2x solo, 0.5 s), throughput >= 0.95x
+  of first come, first served.
+- workers: each worker's share of busy time while anything waited, and the seconds workers idled
+  while a queue they take from held a job (`idle_queued_s`, sampled every 0.25 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from weightq.cli.processes import ROOT, GatewayProcess, WorkerProcess
+from weightq.cli.redis_server import EmbeddedRedis
+
+STEP_S = 0.02
+WORKER = {
+    "runner": "simulated", "sim_step_cost": f"{STEP_S},2e-5,0", "max_batch_weight": 8192, "max_total_tokens": 512,
+    "prefix_cache": 0,
+}  # fmt: skip
+GATEWAY = {"rate_limit_per_s": 0, "max_concurrent_per_client": 0, "api_key": "light-key,flood-key"}
+INTERACTIVE_EVERY_S = 0.5
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3) if xs else 0.0
+
+
+async def first_token(http: httpx.AsyncClient, base: str, key: str, body: dict) -> float | None:
+    """Seconds to the first token of one streaming request (None: it failed); reads it to the end."""
+    t0 = time.monotonic()
+    ttft = None
+    headers = {"Authorization": f"Bearer {key}"}
+    async with http.stream("POST", base + body.pop("_route"), json=body, headers=headers) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return None
+        async for line in r.aiter_lines():
+            if ttft is None and line.startswith("data: {"):
+                ttft = time.monotonic() - t0
+    return ttft
+
+
+def chat(i: int) -> dict:
+    return {
+        "_route": "/v1/chat/completions", "model": "builtin:tiny", "stream": True, "max_tokens": 16,
+        "messages": [{"role": "user", "content": f"interactive question {i}: what is next?"}],
+    }  # fmt: skip
+
+
+async def interactive(base: str, until, key: str = "light-key") -> list[float]:
+    """One chat request every INTERACTIVE_EVERY_S until `until()` is true; their TTFTs."""
+    out: list[float] = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as http:
+        tasks, i = [], 0
+        start = time.monotonic()
+        while not until():
+            tasks.append(asyncio.create_task(first_token(http, base, key, chat(i))))
+            i += 1
+            await asyncio.sleep(max(0.0, start + i * INTERACTIVE_EVERY_S - time.monotonic()))
+        for t in await asyncio.gather(*tasks):
+            if t is not None:
+                out.append(t)
+    return out
+
+
+def timed(seconds: float):
+    end = time.monotonic() + seconds
+    return lambda: time.monotonic() >= end
+
+
+def write_lines(path: Path, n: int) -> None:
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(
+                json.dumps({"id": f"l{i}", "prompt": f"line {i}: summarise " + "the report " * 8, "max_new_tokens": 64})
+            )
+            f.write("\n")
+
+
+class Batch:
+    """`weightq batch IN OUT` in a subprocess, as a user runs it (no flags but the output format)."""
+
+    def __init__(self, url: str, home: Path, lines: int, tag: str) -> None:
+        self.input, self.output = home / f"{tag}.jsonl", home / f"{tag}.out.jsonl"
+        write_lines(self.input, lines)
+        self.lines = lines
+        env = dict(os.environ, REDIS_URL=url, WEIGHTQ_HOME=str(home))
+        self.t0 = time.monotonic()
+        cmd = [
+            sys.executable,
+            "-m",
+            "weightq.cli",
+            "batch",
+            str(self.input),
+            "-o",
+            str(self.output),
+            "--json",
+            "--no-progress",
+        ]
+        self.log = home / f"{tag}.log"
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.elapsed: float | None = None
+
+    def done(self) -> bool:
+        if self.proc.poll() is None:
+            return False
+        if self.elapsed is None:
+            self.elapsed = time.monotonic() - self.t0
+        return True
+
+    def lines_s(self) -> float:
+        if self.proc.wait() != 0:
+            raise RuntimeError(f"weightq batch exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+        self.done()
+        return round(self.lines / self.elapsed, 1)
+
+
+def flood(base: str, n: int, results) -> None:
+    """n streaming completions from the flooding tenant at once (a process of its own, so that its
+    reading never delays the light tenant's clock); puts (seconds to finish all, failures)."""
+
+    async def run() -> tuple[float, int]:
+        limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=n + 10)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as http:
+            t0 = time.monotonic()
+            body = {"_route": "/v1/completions", "model": "builtin:tiny", "stream": True, "max_tokens": 64}
+            outs = await asyncio.gather(
+                *(
+                    first_token(http, base, "flood-key", body | {"prompt": f"flood {i}: " + "go on " * 10})
+                    for i in range(n)
+                )
+            )
+            return time.monotonic() - t0, sum(o is None for o in outs)
+
+    results.put(asyncio.run(run()))
+
+
+def tenants(base: str, n: int, solo_s: float) -> dict:
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=flood, args=(base, n, results))
+    proc.start()
+    time.sleep(1.0)  # the flood is queued
+    light = asyncio.run(interactive(base, lambda: not proc.is_alive() or not results.empty()))
+    took, failed = results.get()
+    proc.join()
+    return {"light_ttft_p50_s": pct(light, 0.5), "light_ttft_p99_s": pct(light, 0.99), "light_requests": len(light),
+            "flood_jobs_s": round(n / took, 2), "flood_failed": failed}  # fmt: skip
+
+
+def worker_report(workers: list[WorkerProcess]) -> dict:
+    stats = [w.stats() for w in workers]
+    return {
+        "idle_queued_s": round(sum(s.get("idle_queued_s", 0.0) for s in stats), 2),
+        "jobs_each": [s.get("metrics", {}).get("jobs_finished", s.get("finished", 0)) for s in stats],
+        "stolen": sum(s.get("stolen", 0) for s in stats),
+    }
+
+
+def cluster(n_workers: int, args) -> dict:
+    home = Path(tempfile.mkdtemp(prefix=f"weightq-queueing-{n_workers}-"))
+    server = EmbeddedRedis(home / "redis")
+    url = server.start()
+    workers = [WorkerProcess(url, f"q{i}@bench", home, **WORKER) for i in range(n_workers)]
+    fair = GatewayProcess(url, home, **GATEWAY)
+    fifo = GatewayProcess(url, home, fair_queue=0, **GATEWAY)
+    try:
+        for w in workers:
+            w.wait_ready()
+        fair.wait_ready()
+        fifo.wait_ready()
+        asyncio.run(interactive(fair.base, timed(2.0)))  # warm
+        out: dict = {"workers": n_workers}
+        # web beside batch
+        solo = asyncio.run(interactive(fair.base, timed(args.seconds)))
+        alone = Batch(url, home, args.lines, "alone")
+        while not alone.done():
+            time.sleep(0.2)
+        batch_alone = alone.lines_s()
+        beside = Batch(url, home, args.lines, "beside")
+        time.sleep(1.0)  # the batch has filled the workers
+        mixed = asyncio.run(interactive(fair.base, beside.done))
+        batch_mixed = beside.lines_s()
+        out["batch"] = {
+            "interactive_solo_p50_s": pct(solo, 0.5), "interactive_solo_p99_s": pct(solo, 0.99),
+            "interactive_beside_batch_p50_s": pct(mixed, 0.5), "interactive_beside_batch_p99_s": pct(mixed, 0.99),
+            "interactive_requests": len(mixed),
+            "ttft_p99_vs_solo": round(pct(mixed, 0.99) / max(pct(solo, 0.99), 1e-3), 2),
+            "ttft_p99_target_s": round(max(1.5 * pct(solo, 0.99), 0.5), 3),
+            "batch_lines_s_alone": batch_alone, "batch_lines_s_beside_interactive": batch_mixed,
+            "batch_vs_alone": round(batch_mixed / batch_alone, 3),
+        }  # fmt: skip
+        out["batch"]["within_targets"] = (
+            out["batch"]["interactive_beside_batch_p99_s"] <= out["batch"]["ttft_p99_target_s"]
+            and out["batch"]["batch_vs_alone"] >= 0.9
+        )
+        # two tenants in one class
+        light_solo = asyncio.run(interactive(fair.base, timed(args.seconds)))
+        with_fair = tenants(fair.base, args.flood, args.seconds)
+        with_fifo = tenants(fifo.base, args.flood, args.seconds)
+        target = max(2 * pct(light_solo, 0.99), 0.5)
+        out["tenants"] = {
+            "light_solo_p50_s": pct(light_solo, 0.5), "light_solo_p99_s": pct(light_solo, 0.99),
+            "fair": with_fair, "fifo": with_fifo,
+            "light_p99_vs_solo": round(with_fair["light_ttft_p99_s"] / max(pct(light_solo, 0.99), 1e-3), 2),
+            "light_p99_target_s": round(target, 3),
+            "throughput_fair_vs_fifo": round(with_fair["flood_jobs_s"] / with_fifo["flood_jobs_s"], 3),
+        }  # fmt: skip
+        out["tenants"]["within_targets"] = (
+            with_fair["light_ttft_p99_s"] <= target and out["tenants"]["throughput_fair_vs_fifo"] >= 0.95
+        )
+        out["workers_report"] = worker_report(workers)
+        return out
+    finally:
+        fair.stop()
+        fifo.stop()
+        for w in workers:
+            w.kill()
+        server.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--workers", default="1,2,4")
+    ap.add_argument("--lines", type=int, default=3000)
+    ap.add_argument("--flood", type=int, default=1000)
+    ap.add_argument("--seconds", type=float, default=20.0)
+    args = ap.parse_args()
+    runs = []
+    for n in (int(x) for x in args.workers.split(",")):
+        runs.append(cluster(n, args))
+        print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+    out = {
+        "bench": "queueing",
+        "runner": "simulated",
+        "sim_step_cost": WORKER["sim_step_cost"],
+        "max_batch_weight_each": WORKER["max_batch_weight"],
+        "lines": args.lines,
+        "flood": args.flood,
+        "runs": runs,
+    }
+    print(json.dumps(out) if args.json else json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
