@@ -93,13 +93,7 @@ def make_room(b: Batcher, cand: Request, chunk: int, ahead: int, plan: StepPlan,
             break
     else:
         return
-    gone = {r.id for r in victims}
-    plan.prefill[:] = [(r, n) for r, n in plan.prefill if r.id not in gone]
-    plan.decode[:] = [r for r in plan.decode if r.id not in gone]
-    for r in victims:
-        preempt(b, r, enqueue=False)
-        plan.preempted.append(r)
-        evicted.append(r)
+    evict(b, victims, plan, evicted)
 
 
 def make_room_for_class(
@@ -126,6 +120,11 @@ def make_room_for_class(
             break
     else:
         return
+    evict(b, victims, plan, evicted)
+
+
+def evict(b: Batcher, victims: list[Request], plan: StepPlan, evicted: list[Request]) -> None:
+    """Preempt `victims` out of this step's plan; they go back to the queue after the walk (`evicted`)."""
     gone = {r.id for r in victims}
     plan.prefill[:] = [(r, n) for r, n in plan.prefill if r.id not in gone]
     plan.decode[:] = [r for r in plan.decode if r.id not in gone]

@@ -89,3 +89,15 @@ def test_gateway_priority_comes_from_the_header_capped_by_the_keys_class():
     with pytest.raises(HTTPError) as e:
         request_priority("high", None)
     assert e.value.status == 400 and e.value.field == "X-Priority"
+
+
+def test_within_a_class_the_submission_time_orders_and_aging_counts_the_wait_here():
+    b = batcher(100, max_wait_s=10.0)
+    b.submit(Request("run", 10, 80, arrival_s=0.0))
+    b.schedule(0.0)
+    b.submit(Request("reached-first", 40, 40, arrival_s=1.0, submitted_s=0.8))
+    b.submit(Request("submitted-first", 40, 40, arrival_s=1.1, submitted_s=-30.0, priority=5))
+    assert [r.id for r in b.waiting] == ["submitted-first", "reached-first"]
+    b.submit(Request("bg", 40, 40, arrival_s=1.2, submitted_s=-60.0, priority=0))
+    b.schedule(2.0)  # a minute in Redis does not age it past the classes: its wait here is 0.8 s
+    assert [r.id for r in b.waiting][-1] == "bg"
