@@ -268,14 +268,6 @@ class Batcher:
     def room_for(self) -> int:
         return self.projector.room_for()
 
-    def urgency(self) -> tuple[int, int]:
-        """(urgent requests waiting, background requests running), urgent meaning headroom_priority or
-        above: a worker takes urgent jobs beyond its room only while background work runs that they can
-        preempt, and only a few at a time. Safe to call from another thread (copies, no iteration)."""
-        floor = self.config.headroom_priority
-        waiting, running = list(self.waiting), tuple(self.running.values())
-        return sum(r.priority >= floor for r in waiting), sum(r.priority < floor for r in running)
-
     def projected_peak(self) -> int:
         return self.projector.profile().peak() if self.running else 0
 

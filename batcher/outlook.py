@@ -53,3 +53,12 @@ def mean_output(batcher: Batcher) -> float:
         return batcher.stats.mean_output
     asked = [r.max_new_tokens for r in (*batcher.running.values(), *batcher.waiting)]
     return sum(asked) / len(asked) if asked else 0.0
+
+
+def urgency(b: Batcher) -> tuple[int, int]:
+    """(urgent requests waiting, background requests running), urgent meaning headroom_priority or
+    above: a worker takes urgent jobs beyond its room only while background work runs that they can
+    preempt, and only a few at a time. Safe to call from another thread (copies, no iteration)."""
+    floor = b.config.headroom_priority
+    waiting, running = list(b.waiting), tuple(b.running.values())
+    return sum(r.priority >= floor for r in waiting), sum(r.priority < floor for r in running)

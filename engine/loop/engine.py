@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import torch
 from weightq.batcher import Batcher, RequestRejected
+from weightq.batcher.outlook import urgency
 
 from ..builder import build, on_fresh_thread
 from ..config import EngineConfig
@@ -145,8 +146,8 @@ class Engine:
         return self.batcher.room_for()
 
     def urgency(self) -> tuple[int, int]:
-        """(urgent requests waiting, background requests running): Batcher.urgency."""
-        return self.batcher.urgency()
+        """(urgent requests waiting, background requests running): batcher.outlook.urgency."""
+        return urgency(self.batcher)
 
     def stats(self) -> dict:
         return engine_stats(self)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from weightq.batcher.outlook import outlook
+from weightq.batcher.outlook import outlook, urgency
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -83,7 +83,7 @@ def engine_stats(engine: Engine) -> dict:
     return {
         "running": len(b.running),
         "waiting": len(b.waiting),
-        "urgency": b.urgency(),  # (urgent waiting, background running): what a worker takes beyond its room
+        "urgency": urgency(b),  # (urgent waiting, background running): what a worker takes beyond its room
         "batch_weight": b.batch_weight(),
         "max_batch_weight": b.budget,
         "max_input_length": engine.max_input_length,
