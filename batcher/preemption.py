@@ -4,6 +4,7 @@ request keeps its tokens and is prefilled again."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .plan import StepPlan
@@ -80,20 +81,18 @@ def make_room(b: Batcher, cand: Request, chunk: int, ahead: int, plan: StepPlan,
         and r.admitted_step < b.step
     ]
     pool.sort(key=lambda r: (held[r.tenant], r.admitted_step), reverse=True)
-    entry = proj.entry(cand, chunk, ahead)
     left = dict(held)
-    victims: list[Request] = []
-    for r in pool:
+
+    def spare(r: Request) -> bool:  # never leaves a victim's tenant holding less than cand's would
         own = proj.own_final(r)
         if left[r.tenant] - own < mine:
-            continue
+            return False
         left[r.tenant] -= own
-        victims.append(r)
-        if proj.without({v.id for v in victims}).admits(entry, b.admission.budget):
-            break
-    else:
-        return
-    evict(b, victims, plan, evicted)
+        return True
+
+    victims = fewest(b, proj.entry(cand, chunk, ahead), pool, spare)
+    if victims:
+        evict(b, victims, plan, evicted)
 
 
 def make_room_for_class(
@@ -111,16 +110,22 @@ def make_room_for_class(
     if not pool:
         return
     pool.sort(key=lambda r: (order[r.id][0], r.admitted_step), reverse=True)  # the lowest class, the newest
-    proj = b.projector
-    entry = proj.entry(cand, chunk, ahead)
+    victims = fewest(b, b.projector.entry(cand, chunk, ahead), pool, lambda r: True)
+    if victims:
+        evict(b, victims, plan, evicted)
+
+
+def fewest(b: Batcher, entry, pool: list[Request], eligible: Callable[[Request], bool]) -> list[Request] | None:
+    """The first requests of `pool` (in its order, those `eligible`) whose preemption lets the
+    projection admit `entry`; None when all of them would not."""
     victims: list[Request] = []
     for r in pool:
+        if not eligible(r):
+            continue
         victims.append(r)
-        if proj.without({v.id for v in victims}).admits(entry, b.admission.budget):
-            break
-    else:
-        return
-    evict(b, victims, plan, evicted)
+        if b.projector.without({v.id for v in victims}).admits(entry, b.admission.budget):
+            return victims
+    return None
 
 
 def evict(b: Batcher, victims: list[Request], plan: StepPlan, evicted: list[Request]) -> None:
