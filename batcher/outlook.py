@@ -9,6 +9,7 @@ a slot frees, so the web side replays these finishes against the queue (backlog.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -55,10 +56,31 @@ def mean_output(batcher: Batcher) -> float:
     return sum(asked) / len(asked) if asked else 0.0
 
 
-def urgency(b: Batcher) -> tuple[int, int]:
-    """(urgent requests waiting, background requests running), urgent meaning headroom_priority or
-    above: a worker takes urgent jobs beyond its room only while background work runs that they can
-    preempt, and only a few at a time. Safe to call from another thread (copies, no iteration)."""
+@dataclass(frozen=True, slots=True)
+class Urgency:
+    """What a worker needs of its batcher to take jobs beyond its room (app/worker/intake.py): urgent
+    jobs only while background work runs that they can preempt; jobs of a tenant outside
+    `heavy_tenants` (those holding at least an equal share of the budget were one more tenant to come),
+    whom fair preemption lets in; and only a few of either waiting at a time. Urgent: headroom_priority
+    or above."""
+
+    urgent_waiting: int = 0  # requests of an urgent class waiting
+    background_running: int = 0  # requests of a background class running
+    heavy_tenants: tuple[str, ...] = ()
+    light_waiting: int = 0  # urgent requests of the other tenants waiting
+
+
+def urgency(b: Batcher) -> Urgency:
+    """Safe to call from another thread: it copies the containers, never iterates them."""
     floor = b.config.headroom_priority
     waiting, running = list(b.waiting), tuple(b.running.values())
-    return sum(r.priority >= floor for r in waiting), sum(r.priority < floor for r in running)
+    weights, tenants = dict(b.tenants.weight), len(b.tenants.held)
+    share = b.budget / (tenants + 1)
+    heavy = tuple(t for t, w in weights.items() if w and w >= share)
+    urgent = [r for r in waiting if r.priority >= floor]
+    return Urgency(
+        len(urgent),
+        sum(r.priority < floor for r in running),
+        heavy,
+        sum(r.tenant not in heavy for r in urgent),
+    )

@@ -12,6 +12,8 @@ except ModuleNotFoundError as e:
         f"weightq's engine needs {e.name}, which is not installed: pip install 'weightq[worker]'", name=e.name
     ) from None
 
+from weightq.batcher.outlook import Urgency  # what a worker's intake reads (Engine.urgency)
+
 from .builder import serving_threads
 from .config import EngineConfig
 from .handle import Handle
@@ -39,6 +41,7 @@ __all__ = [
     "Sink",
     "TokenEvent",
     "TokenSink",
+    "Urgency",
     "freeze_startup_heap",
     "load_model",
     "own_process",

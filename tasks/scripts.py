@@ -270,7 +270,8 @@ return moved
 # Fair staging (start-time fair queuing, Goyal et al. 1996, charged in weight units). A staged job of
 # tenant t and weight w gets the start tag S = max(v, F_t), and F_t becomes S + w: a tenant's jobs keep
 # their order, a flooding tenant's tags run far ahead of v, and a tenant back from idle starts at v
-# (staying away saves no credit). Jobs are released by class, then by start tag.
+# (staying away saves no credit). Jobs are released by class, then by start tag. A member is
+# "<tenant> <the kombu message>" (a tenant holds no space: tasks/limits.py ID_PATTERN).
 # KEYS: the staged set of the job's priority, the target's fair hash. ARGV: the kombu message (as kombu
 # would push it), tenant, weight, its priority index (each class has its virtual clock `v:<index>`;
 # a tenant's finish tag counts its service in every class). Returns the start tag.
@@ -279,7 +280,7 @@ local v = tonumber(redis.call('HGET', KEYS[2], 'v:' .. ARGV[4]) or '0')
 local f = tonumber(redis.call('HGET', KEYS[2], 't:' .. ARGV[2]) or '0')
 local s = math.max(v, f)
 redis.call('HSET', KEYS[2], 't:' .. ARGV[2], string.format('%.17g', s + tonumber(ARGV[3])))
-redis.call('ZADD', KEYS[1], string.format('%.17g', s), ARGV[1])
+redis.call('ZADD', KEYS[1], string.format('%.17g', s), ARGV[2] .. ' ' .. ARGV[1])
 return string.format('%.17g', s)
 """
 
@@ -287,17 +288,19 @@ return string.format('%.17g', s)
 # smallest start tag first, each source in the order given (a worker's own target, then the shared one).
 # Up to ARGV[1] jobs of any class (what the worker can start now, less what already waits in its
 # lists), then up to ARGV[2] more of the urgent classes (priority index <= ARGV[3]: they preempt
-# background work in the engine), then up to ARGV[6] more of those whose start tag is at most v: tenants back
-# from idle, below their share, whom the batcher lets in by preempting a flooding tenant's newest
-# requests (a flooding tenant's tags run ahead of v). Each release moves v of its source and class to
-# its start tag (never back). Atomic: a job is never out of Redis. KEYS: the destination's 10 lists, the 10 lists
-# whose messages count as waiting for this worker (the destination's, or the shared queue's
-# too), then per source its fair hash and its 10 staged sets. ARGV: any, urgent, last urgent priority
-# index, sources, whether the destination's waiting messages count against `any`, behind.
+# background work in the engine), then up to ARGV[6] more of the urgent classes whose tenant is not
+# among ARGV[7..] (those holding an equal share of the engine or more): the batcher lets such a job in by
+# preempting the heaviest tenant's newest requests. Each release moves v of its source and class to its
+# start tag (never back). Atomic: a job is never out of Redis. KEYS: the destination's 10 lists, the 10
+# lists whose messages count as waiting for this worker (the destination's, or the shared queue's too),
+# then per source its fair hash and its 10 staged sets. ARGV: any, urgent, last urgent priority index,
+# sources, whether the destination's waiting messages count against `any`, light, heavy tenants...
 # Returns {released, messages waiting in the lists of both}.
 RELEASE = """
 local any, urgent, last = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local sources, behind = tonumber(ARGV[4]), tonumber(ARGV[6])
+local sources, light = tonumber(ARGV[4]), tonumber(ARGV[6])
+local heavy = {}
+for i = 7, #ARGV do heavy[ARGV[i]] = true end
 if ARGV[5] == '1' then
   for p = 1, 10 do any = any - redis.call('LLEN', KEYS[p]) end
   if any < 0 then any = 0 end
@@ -307,18 +310,19 @@ for p = 0, 9 do
   for s = 0, sources - 1 do
     local base = 20 + s * 11
     local fair, staged = KEYS[base + 1], KEYS[base + 2 + p]
-    while any > 0 or (p <= last and urgent > 0) or behind > 0 do
+    while any > 0 or (p <= last and (urgent > 0 or light > 0)) do
       local head = redis.call('ZRANGE', staged, 0, 0, 'WITHSCORES')
       if #head == 0 then break end
-      local v = tonumber(redis.call('HGET', fair, 'v:' .. p) or '0')
-      local tag = tonumber(head[2])
+      local member = head[1]
+      local space = string.find(member, ' ', 1, true)
       if any > 0 then any = any - 1
       elseif p <= last and urgent > 0 then urgent = urgent - 1
-      elseif p <= last and tag <= v then behind = behind - 1
+      elseif p <= last and not heavy[string.sub(member, 1, space - 1)] then light = light - 1
       else break end
-      redis.call('ZREM', staged, head[1])
-      redis.call('LPUSH', KEYS[1 + p], head[1])
-      if tag > v then redis.call('HSET', fair, 'v:' .. p, head[2]) end
+      redis.call('ZREM', staged, member)
+      redis.call('LPUSH', KEYS[1 + p], string.sub(member, space + 1))
+      local v = tonumber(redis.call('HGET', fair, 'v:' .. p) or '0')
+      if tonumber(head[2]) > v then redis.call('HSET', fair, 'v:' .. p, head[2]) end
       released = released + 1
     end
   end

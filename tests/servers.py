@@ -21,7 +21,8 @@ def queued_messages(r, queue: str = "weightq") -> list[bytes]:
     from weightq.transport import priority_queues
 
     lists = [m for q in priority_queues(queue) for m in r.lrange(q, 0, -1)]
-    return lists + [m for key in staged_sets(queue) for m in r.zrange(key, 0, -1)]
+    staged = [m for key in staged_sets(queue) for m in r.zrange(key, 0, -1)]  # "<tenant> <message>"
+    return lists + [m.split(b" " if isinstance(m, bytes) else " ", 1)[1] for m in staged]
 
 
 def take_queued(r, queue: str = "weightq") -> bytes | None:

@@ -12,6 +12,9 @@ first come, first served:
   engine has no room (up to URGENT_LOOKAHEAD waiting in it): the batcher then starts them in the
   budget's headroom, or preempts background work for them (batcher: `make_room_for_class`). An
   interactive job never waits for a batch job to finish.
+- **A tenant below its share goes beyond the room too**: the next staged job of a tenant that holds
+  less than an equal share of the engine (Urgency.heavy_tenants) is taken when the engine is full, and
+  the batcher's fair preemption lets it in: a light tenant never waits for a flood to drain.
 - The consumer's prefetch follows the same count, so several workers on one queue share it and none
   hoards jobs it cannot start.
 """
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-from weightq.engine import AnyEngine
+from weightq.engine import AnyEngine, Urgency
 from weightq.settings import Settings
 from weightq.tasks.contract import RELEASE, fair_key, staged_sets, worker_queue
 from weightq.tasks.limits import DEFAULT_PRIORITY, broker_priority
@@ -61,19 +64,20 @@ class Release:
         sources: list[str],
         any_class: int,
         urgent: int = 0,
-        behind: int = 0,
+        light: int = 0,
+        heavy: tuple[str, ...] = (),
         *,
         watch: str | None = None,
         count_waiting: bool = True,
     ) -> Released:
         """Release up to `any_class` staged jobs of `sources` (in order) into `dest`'s lists, less
         what waits there already (`count_waiting`), then up to `urgent` more of the urgent classes,
-        then up to `behind` more of tenants below their share (start tag at most the virtual clock).
+        then up to `light` more of the urgent classes of tenants not `heavy` (below their share).
         `watch`: another queue whose urgent messages this worker takes too (the shared one)."""
         keys = [*priority_queues(dest), *priority_queues(watch or dest)]
         for source in sources:
             keys += [fair_key(source), *staged_sets(source)]
-        args = [any_class, urgent, LAST_URGENT, len(sources), int(count_waiting), behind]
+        args = [any_class, urgent, LAST_URGENT, len(sources), int(count_waiting), light, *heavy]
         released, waiting = self._script(keys=keys, args=args)
         return Released(int(released), int(waiting))
 
@@ -90,25 +94,23 @@ class Intake:
         self.reserve = settings.reserved_slots()
         self.released = 0  # staged jobs this worker released (heartbeat, tests)
 
-    def plan(
-        self, room: int, running: int, taken: int, urgency: tuple[int, int], exclusive: bool
-    ) -> tuple[int, int, int]:
-        """(jobs of any class to release, urgent ones beyond the engine's room, jobs of tenants below
-        their share beyond it): `room` typical jobs the engine could start now, `running` jobs in the
-        engine, `taken` messages not yet in it, `urgency` the engine's (urgent requests waiting,
-        background requests running). Urgent jobs go beyond the room only while background work runs
-        that they can preempt, a few at a time: a lookahead filled with jobs of the class it runs would
-        only keep a better one out. A tenant below its share goes beyond it too (the batcher preempts
-        the heaviest tenant's newest requests for it), a few at a time."""
+    def plan(self, room: int, running: int, taken: int, urgency: Urgency, exclusive: bool) -> tuple[int, int, int]:
+        """(jobs of any class to release, urgent ones beyond the engine's room, urgent ones of tenants
+        below their share beyond it): `room` typical jobs the engine could start now, `running` jobs in
+        the engine, `taken` messages not yet in it, `urgency` its batcher's (batcher.outlook.Urgency).
+        Beyond the room, a few at a time: urgent jobs only while background work runs that they can
+        preempt, and jobs of a tenant below its share, for which the batcher preempts the heaviest
+        tenant's newest requests. A lookahead open to any job of the class it runs would fill with a
+        flood's jobs and keep the next tenant's out."""
         if exclusive:  # a job running alone (or waiting to) admits no other
             return 0, 0, 0
         s = self.settings
         held = running + taken
         any_class = max(0, min(room, IN_PIPE, s.concurrency - self.reserve - running) - taken)
         lookahead = max(0, min(s.concurrency - held, URGENT_LOOKAHEAD) - taken)
-        behind = min(lookahead, max(0, s.concurrency - self.reserve - held))
-        urgent_waiting, background = urgency
-        return any_class, (max(0, lookahead - urgent_waiting) if background else 0), behind
+        urgent = max(0, lookahead - urgency.urgent_waiting) if urgency.background_running else 0
+        light = max(0, min(lookahead - urgency.light_waiting, s.concurrency - self.reserve - held))
+        return any_class, urgent, light
 
     def tick(self, engine: AnyEngine, inflight: InFlight, consumer: Any) -> int | None:
         """One look: release what the engine can start; returns the prefetch the consumer should
@@ -121,13 +123,14 @@ class Intake:
         room = 0 if exclusive else engine.room_for()
         running = len(inflight)
         taken = taken_not_started(inflight, consumer)
-        any_class, urgent, behind = self.plan(room, running, taken, engine.urgency(), exclusive)
+        view = engine.urgency()
+        any_class, urgent, light = self.plan(room, running, taken, view, exclusive)
         watch = s.queue if self.dest != s.queue else None
         # without staging, the same call only counts the urgent messages waiting
         sources = self.sources if s.fair_queue else []
-        out = self.release(self.dest, sources, any_class, urgent, behind, watch=watch)
+        out = self.release(self.dest, sources, any_class, urgent, light, view.heavy_tenants, watch=watch)
         self.released += out.jobs
-        extra = min(out.waiting, urgent + behind)
+        extra = min(out.waiting, urgent + light)
         # background work may not take the reserved slots; what went beyond the room may, up to the lookahead
         base = min(s.concurrency - self.reserve, running + room) if not exclusive else running
         return max(1, min(s.concurrency, base + extra))

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import torch
 from weightq.batcher import Batcher, RequestRejected
-from weightq.batcher.outlook import urgency
+from weightq.batcher.outlook import Urgency, urgency
 
 from ..builder import build, on_fresh_thread
 from ..config import EngineConfig
@@ -145,8 +145,8 @@ class Engine:
         """How many more typical requests a worker may take now (Batcher.room_for)."""
         return self.batcher.room_for()
 
-    def urgency(self) -> tuple[int, int]:
-        """(urgent requests waiting, background requests running): batcher.outlook.urgency."""
+    def urgency(self) -> Urgency:
+        """What a worker takes beyond its room: batcher.outlook.urgency."""
         return urgency(self.batcher)
 
     def stats(self) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from weightq.batcher.outlook import outlook, urgency
@@ -83,7 +84,7 @@ def engine_stats(engine: Engine) -> dict:
     return {
         "running": len(b.running),
         "waiting": len(b.waiting),
-        "urgency": urgency(b),  # (urgent waiting, background running): what a worker takes beyond its room
+        "urgency": asdict(urgency(b)),  # what a worker takes beyond its room (app/worker/intake.py)
         "batch_weight": b.batch_weight(),
         "max_batch_weight": b.budget,
         "max_input_length": engine.max_input_length,

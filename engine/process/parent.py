@@ -17,6 +17,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from weightq.batcher.outlook import Urgency
+
 from ..config import EngineConfig
 from ..handle import Handle
 from ..params import Event, FinishEvent, FinishReason, GenerationRequest, TokenEvent
@@ -120,14 +122,19 @@ class EngineProcess:
             unseen = self._sent - stats.get("submits_seen", 0)
         return max(0, stats.get("room_for", 0) - unseen)
 
-    def urgency(self) -> tuple[int, int]:
-        """The child's (urgent waiting, background running) at its last snapshot; the requests sent
-        since count as urgent ones waiting (not yet known to be admitted)."""
+    def urgency(self) -> Urgency:
+        """The child's at its last snapshot; the requests sent since count as urgent ones of other
+        tenants waiting (not yet known to be admitted)."""
         stats = self._stats
         with self._lock:
-            unseen = self._sent - stats.get("submits_seen", 0)
-        waiting, background = stats.get("urgency", (0, 0))
-        return waiting + max(0, unseen), background
+            unseen = max(0, self._sent - stats.get("submits_seen", 0))
+        u = stats.get("urgency") or {}
+        return Urgency(
+            u.get("urgent_waiting", 0) + unseen,
+            u.get("background_running", 0),
+            tuple(u.get("heavy_tenants", ())),
+            u.get("light_waiting", 0) + unseen,
+        )
 
     def stop(self, reason: FinishReason = "cancelled", message: str | None = None, timeout: float = 60.0) -> None:
         """Stop the child's loop; every request still inside finishes with `reason` (those events reach

@@ -10,6 +10,7 @@ import time
 
 import redis
 from weightq.client import Client
+from weightq.engine import Urgency
 from weightq.settings import Settings
 from weightq.tasks.contract import STAGE, fair_key, job_key, staged_sets
 from weightq.transport import priority_queues
@@ -50,7 +51,7 @@ def test_staged_jobs_are_released_by_class_then_by_each_tenants_share_in_weight(
     assert release("q", ["q"], 10).jobs == 4 and taken(r, "q") == [f"heavy{i}" for i in range(2, 6)]
 
 
-def test_release_counts_what_waits_and_goes_beyond_the_room_only_for_the_urgent_and_the_behind(redis_url):
+def test_release_counts_what_waits_and_goes_beyond_the_room_only_for_the_urgent_and_the_light(redis_url):
     r = redis.Redis.from_url(redis_url)
     r.flushall()
     release = Release(r)
@@ -62,25 +63,29 @@ def test_release_counts_what_waits_and_goes_beyond_the_room_only_for_the_urgent_
     r.delete(*priority_queues("q"))
     out = release("q", ["q"], 0, urgent=2)  # beyond the room: urgent classes only
     assert (out.jobs, taken(r, "q"), taken(r, "q", 7)) == (2, ["flood0", "flood1"], [])
-    stage(r, "q", "newcomer", "B", 10)  # its start tag is the virtual clock: behind its share
-    out = release("q", ["q"], 0, behind=3)
-    assert (out.jobs, taken(r, "q")) == (1, ["newcomer"])  # A's next tags run ahead of the clock
+    stage(r, "q", "newcomer", "B", 10)
+    # beyond the room for tenants below their share: B's job, never the heavy A's, of no background class
+    out = release("q", ["q"], 0, light=3, heavy=("A",))
+    assert (out.jobs, taken(r, "q"), taken(r, "q", 7)) == (1, ["newcomer"], [])
+    assert release("q", ["q"], 0, light=1).jobs == 1 and taken(r, "q") == ["flood2"]  # A not heavy any more
     assert LAST_URGENT == 4
 
 
 def test_background_work_leaves_slots_and_urgent_jobs_go_beyond_the_room(redis_url):
     intake = Intake(redis.Redis.from_url(redis_url), Settings(concurrency=64), "w@t")
     assert intake.reserve == 8
+    bg = Urgency(background_running=56, heavy_tenants=("local",))
     # room for 30, nothing held: at most the pipe's worth at once
-    assert intake.plan(30, 0, 0, (0, 0), False)[0] == 16
+    assert intake.plan(30, 0, 0, Urgency(), False)[0] == 16
     # background fills 56 slots: no more of any class, though the engine has room
-    assert intake.plan(30, 56, 0, (0, 56), False)[0] == 0
+    assert intake.plan(30, 56, 0, bg, False)[0] == 0
     # no room, background running: a few urgent jobs beyond it, fewer while some already wait
-    assert intake.plan(0, 56, 0, (0, 56), False)[1] == 4
-    assert intake.plan(0, 56, 1, (2, 56), False)[1] == 1
-    # no background running: none go beyond the room for their class alone
-    assert intake.plan(0, 40, 0, (0, 0), False)[1] == 0
-    assert intake.plan(30, 0, 0, (0, 0), True) == (0, 0, 0)  # a job running alone admits no other
+    assert intake.plan(0, 56, 0, bg, False)[1] == 4
+    assert intake.plan(0, 56, 1, Urgency(2, 56), False)[1] == 1
+    # no background running: none go beyond the room for their class alone, only for a light tenant
+    assert intake.plan(0, 40, 0, Urgency(heavy_tenants=("flood",)), False)[1:] == (0, 4)
+    assert intake.plan(0, 40, 0, Urgency(3, 0, ("flood",), 3), False)[1:] == (0, 1)
+    assert intake.plan(30, 0, 0, Urgency(), True) == (0, 0, 0)  # a job running alone admits no other
 
 
 def test_a_light_tenants_job_starts_ahead_of_another_tenants_flood(service):
