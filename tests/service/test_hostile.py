@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import stat
 import threading
 import time
 
@@ -229,18 +228,6 @@ def test_a_grammar_no_text_satisfies_is_refused(hostile):
     assert r.status_code == 400 and r.json()["field"] == "parameters.grammar" and "empty" in r.json()["error"]
 
 
-def test_a_grammar_left_without_any_token_ends_with_an_error_not_text_outside_it(tiny_loaded):
-    """The engine's own guard (the contract refuses guided with min_tokens, so only a caller of the
-    engine can ask this): a grammar that allows only the end, and min_tokens holding the end back,
-    leave no token at all; the request fails, where argmax of an all -inf row emitted token 0."""
-    from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-
-    engine = Engine(EngineConfig(grammar_timeout_s=0), loaded=tiny_loaded)
-    params = SamplingParams(max_new_tokens=8, min_tokens=2, guided=("regex", "a{0}"))
-    res = engine.generate([GenerationRequest("dead", prompt="x", params=params)])[0]
-    assert res.reason == "error" and res.error.startswith("guided") and res.text == "" and res.token_ids == ()
-
-
 # ----- one request stalls no one ---------------------------------------------------------------------------
 def test_a_slow_grammar_is_refused_and_holds_up_no_other_stream(hostile):
     # 1,800 optional properties: within the contract's 65,536 characters, minutes for xgrammar to compile
@@ -323,34 +310,6 @@ def test_keys_get_default_limits(hostile):
     assert 429 in codes  # 10 requests per second, in bursts of 10
     ok = post(hostile.keyed_base, "/v1/completions", {"prompt": "x", "max_tokens": 1}, hostile.as_key(KEYS[1]))
     assert ok.status_code == 200  # another key has its own allowance
-
-
-def test_flower_listens_on_loopback_unless_it_asks_for_a_password(monkeypatch):
-    from weightq.cli.stack import Stack
-    from weightq.settings import Settings
-
-    monkeypatch.delenv("FLOWER_BASIC_AUTH", raising=False)
-    stack = Stack(Settings(), host="0.0.0.0", flower_port=5555)
-    assert "--address=127.0.0.1" in stack.flower_command() and not any("auth" in a for a in stack.flower_command())
-    monkeypatch.setenv("FLOWER_BASIC_AUTH", "admin:pw")
-    assert {"--address=0.0.0.0", "--basic-auth=admin:pw"} <= set(stack.flower_command())
-
-
-def test_the_embedded_redis_has_a_password_only_its_owner_reads(tmp_path):
-    from weightq.cli.redis_server import ensure_redis
-    from weightq.settings import Settings
-
-    url = ensure_redis(Settings(weightq_home=str(tmp_path)))
-    try:
-        for name in ("password", "url"):
-            assert stat.S_IMODE((tmp_path / "redis" / name).stat().st_mode) == 0o600
-        password = (tmp_path / "redis" / "password").read_text().strip()
-        assert len(password) >= 32 and f":{password}@" in url
-        with pytest.raises(redis.AuthenticationError):
-            redis.Redis(port=int(url.rsplit(":", 1)[1].split("/")[0])).ping()
-        assert Settings(weightq_home=str(tmp_path)).resolved_redis_url() == url  # what clients read
-    finally:
-        redis.Redis.from_url(url).shutdown(nosave=True)
 
 
 def test_a_stream_write_redis_refuses_ends_the_job_with_an_error(hostile):
