@@ -271,7 +271,9 @@ return moved
 # tenant t and weight w gets the start tag S = max(v, F_t), and F_t becomes S + w: a tenant's jobs keep
 # their order, a flooding tenant's tags run far ahead of v, and a tenant back from idle starts at v
 # (staying away saves no credit). Jobs are released by class, then by start tag. A member is
-# "<tenant> <the kombu message>" (a tenant holds no space: tasks/limits.py ID_PATTERN).
+# "<tenant> <the kombu message>" (a tenant holds no space: tasks/limits.py ID_PATTERN). The hash's `n`
+# counts the target's staged jobs (never below them: only RELEASE takes it down, as it takes one out),
+# so that an idle worker's release costs a read, not a look at twenty sets.
 # KEYS: the staged set of the job's priority, the target's fair hash. ARGV: the kombu message (as kombu
 # would push it), tenant, weight, its priority index (each class has its virtual clock `v:<index>`;
 # a tenant's finish tag counts its service in every class). Returns the start tag.
@@ -281,6 +283,7 @@ local f = tonumber(redis.call('HGET', KEYS[2], 't:' .. ARGV[2]) or '0')
 local s = math.max(v, f)
 redis.call('HSET', KEYS[2], 't:' .. ARGV[2], string.format('%.17g', s + tonumber(ARGV[3])))
 redis.call('ZADD', KEYS[1], string.format('%.17g', s), ARGV[2] .. ' ' .. ARGV[1])
+redis.call('HINCRBY', KEYS[2], 'n', 1)
 return string.format('%.17g', s)
 """
 
@@ -295,7 +298,7 @@ return string.format('%.17g', s)
 # lists whose messages count as waiting for this worker (the destination's, or the shared queue's too),
 # then per source its fair hash and its 10 staged sets. ARGV: any, urgent, last urgent priority index,
 # sources, whether the destination's waiting messages count against `any`, light, heavy tenants...
-# Returns {released, messages waiting in the lists of both}.
+# Returns {released, messages waiting in the lists of both (0 when nothing may go beyond the room)}.
 RELEASE = """
 local any, urgent, last = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local sources, light = tonumber(ARGV[4]), tonumber(ARGV[6])
@@ -306,11 +309,15 @@ if ARGV[5] == '1' then
   if any < 0 then any = 0 end
 end
 local released = 0
+local staged_any = {}
+for s = 0, sources - 1 do
+  staged_any[s] = tonumber(redis.call('HGET', KEYS[21 + s * 11], 'n') or '0') > 0
+end
 for p = 0, 9 do
   for s = 0, sources - 1 do
     local base = 20 + s * 11
     local fair, staged = KEYS[base + 1], KEYS[base + 2 + p]
-    while any > 0 or (p <= last and (urgent > 0 or light > 0)) do
+    while staged_any[s] and (any > 0 or (p <= last and (urgent > 0 or light > 0))) do
       local head = redis.call('ZRANGE', staged, 0, 0, 'WITHSCORES')
       if #head == 0 then break end
       local member = head[1]
@@ -320,6 +327,7 @@ for p = 0, 9 do
       elseif p <= last and not heavy[string.sub(member, 1, space - 1)] then light = light - 1
       else break end
       redis.call('ZREM', staged, member)
+      redis.call('HINCRBY', fair, 'n', -1)
       redis.call('LPUSH', KEYS[1 + p], string.sub(member, space + 1))
       local v = tonumber(redis.call('HGET', fair, 'v:' .. p) or '0')
       if tonumber(head[2]) > v then redis.call('HSET', fair, 'v:' .. p, head[2]) end
@@ -328,6 +336,7 @@ for p = 0, 9 do
   end
 end
 local waiting = 0
+if urgent + light == 0 then return {released, 0} end  -- nothing beyond the room: no one asks
 for p = 0, 9 do
   waiting = waiting + redis.call('LLEN', KEYS[1 + p])
   if KEYS[11 + p] ~= KEYS[1 + p] then waiting = waiting + redis.call('LLEN', KEYS[11 + p]) end

@@ -128,9 +128,11 @@ class Intake:
         watch = s.queue if self.dest != s.queue else None
         # without staging, the same call only counts the urgent messages waiting
         sources = self.sources if s.fair_queue else []
-        out = self.release(self.dest, sources, any_class, urgent, light, view.heavy_tenants, watch=watch)
-        self.released += out.jobs
-        extra = min(out.waiting, urgent + light)
+        extra = 0
+        if any_class or urgent or light:
+            out = self.release(self.dest, sources, any_class, urgent, light, view.heavy_tenants, watch=watch)
+            self.released += out.jobs
+            extra = min(out.waiting, urgent + light)
         # background work may not take the reserved slots; what went beyond the room may, up to the lookahead
         base = min(s.concurrency - self.reserve, running + room) if not exclusive else running
         return max(1, min(s.concurrency, base + extra))
