@@ -212,6 +212,7 @@ def main() -> None:
             "seconds": args.seconds,
             "rounds": args.rounds,
             **{name: median_of(rs) for name, rs in results.items()},
+            "bounded_ttft_p99_each_round_s": [r["ttft_p99_s"] for r in results["bounded"]],
         }
         print(json.dumps(out) if args.json else json.dumps(out, indent=2))
     finally:
