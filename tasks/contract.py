@@ -196,6 +196,15 @@ class JobExpired(JobFailed):
     """The job's deadline passed before it could start: it ended unrun (its error names `deadline`)."""
 
 
+class JobNotFound(LookupError):
+    """No job has this id: never submitted, or its record expired (RESULT_TTL_S after it ended)."""
+
+
+class StreamExpired(LookupError):
+    """The job ended and its token stream expired (STREAM_TTL_S after its end): its tokens can no
+    longer be read; its result can, until RESULT_TTL_S (`Job.result`)."""
+
+
 def decode_fields(raw: Mapping) -> dict[str, str]:
     """A stream entry's fields as str (redis-py returns bytes unless decode_responses is set)."""
     return {

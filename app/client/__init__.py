@@ -1,10 +1,11 @@
 """The client SDK: enqueue generations, stream their tokens, run batch files (no engine here)."""
 
-from weightq.tasks.contract import JobExpired
+from weightq.tasks.contract import JobExpired, JobNotFound, StreamExpired
 
 from .backlog import DeadlineUnreachable, Overloaded
 from .jobs import Client, Job, JobFailed, StreamEvent, submit
 
 __all__ = [
-    "Client", "DeadlineUnreachable", "Job", "JobExpired", "JobFailed", "Overloaded", "StreamEvent", "submit",
+    "Client", "DeadlineUnreachable", "Job", "JobExpired", "JobFailed", "JobNotFound", "Overloaded", "StreamEvent",
+    "StreamExpired", "submit",
 ]  # fmt: skip

@@ -33,8 +33,10 @@ from weightq.tasks.contract import (
     TASK_NAME,
     EntryType,
     JobFailed,
+    JobNotFound,
     JobState,
     Replay,
+    StreamExpired,
     args_repr,
     cancelled_result,
     decode_fields,
@@ -86,19 +88,23 @@ class Job:
         self.id = job_id
 
     def events(self, timeout: float | None = None, last_id: str = "0-0") -> Iterator[StreamEvent]:
-        """Every stream entry from `last_id` on, until the end (or error) entry."""
+        """Every stream entry from `last_id` on, until the end (or error) entry. Raises JobNotFound
+        for an id no job has, StreamExpired for a job that ended so long ago that its stream is gone."""
         r = self.client.reader
         key = stream_key(self.id)
         waited = 0.0
+        block_ms = 0  # the first read does not block: a stream not there yet is looked into at once
         while True:
-            block_ms = 1000
             try:
-                resp = r.xread({key: last_id}, count=512, block=block_ms)
+                resp = r.xread({key: last_id}, count=512, block=block_ms or None)
             except redis.ConnectionError:  # Redis restarting: the stream is durable, read on once it is back
-                time.sleep(block_ms / 1000)
+                time.sleep(1.0)
                 resp = None
+            if not resp and not block_ms:
+                self._check_stream()
+            waited_now, block_ms = block_ms / 1000, 1000
             if not resp:
-                waited += block_ms / 1000
+                waited += waited_now
                 if timeout is not None and waited >= timeout:
                     raise TimeoutError(f"job {self.id}: no stream entry for {timeout} s")
                 continue
@@ -122,11 +128,41 @@ class Job:
                 outcome(ev.data)  # raises JobFailed on an error entry
 
     def result(self, timeout: float | None = None) -> dict:
-        """The final JSON result (from the stream's end entry, so it needs no result backend)."""
-        for ev in self.events(timeout):
-            if (result := outcome(ev.data)) is not None:
-                return result
+        """The final JSON result (from the stream's end entry, so it needs no result backend; once the
+        stream has expired, from the job's record, kept RESULT_TTL_S). Raises JobNotFound for an id no
+        job has, JobFailed (JobExpired) for a job that ended with an error."""
+        try:
+            for ev in self.events(timeout):
+                if (result := outcome(ev.data)) is not None:
+                    return result
+        except StreamExpired:
+            return self._stored_outcome()
         raise RuntimeError("unreachable: events() ends at an end or error entry")
+
+    def _check_stream(self) -> None:
+        """The stream is not there (yet): raise unless the job is still to start."""
+        pipe = self.client.reader.pipeline(transaction=False)
+        pipe.exists(stream_key(self.id))
+        pipe.hget(job_key(self.id), "state")
+        exists, state = pipe.execute()
+        if exists:
+            return
+        if state is None:
+            raise JobNotFound(f"no job {self.id!r}: never submitted, or its record expired (RESULT_TTL_S)")
+        if (state.decode() if isinstance(state, bytes) else state) in (JobState.DONE, JobState.CANCELLED):
+            raise StreamExpired(
+                f"job {self.id}: it ended and its stream expired (STREAM_TTL_S); result() still reads it"
+            )
+
+    def _stored_outcome(self) -> dict:
+        """The ended job's result from its record; raises its error as the end entry would have."""
+        stored = decode_fields(self.client.reader.hgetall(job_key(self.id)))
+        if not stored:
+            raise JobNotFound(f"no job {self.id!r}: its record expired (RESULT_TTL_S)")
+        if "result" in stored:
+            return json.loads(stored["result"])
+        outcome({"type": EntryType.ERROR, "message": stored.get("error", "error"), "field": stored.get("field", "")})
+        raise RuntimeError("unreachable: outcome() raises on an error entry")
 
     def cancel(self) -> str:
         """Cancel: a queued job ends at once; a running one is stopped by its worker within a step.
