@@ -312,7 +312,7 @@ def run_batch(
             client, out, max_in_flight=max_in_flight, bar=bar, formats=formats, priority=priority, watch=watch
         )
         try:
-            with _sigint_sets(run.stop):
+            with _stop_signals_set(run.stop):
                 run.submit_lines(enumerate(f, start=1), skip)
         except (Interrupted, KeyboardInterrupt):
             interrupted = True
@@ -324,8 +324,10 @@ def run_batch(
 
 
 @contextlib.contextmanager
-def _sigint_sets(stop: threading.Event):
-    """While inside, the first Ctrl-C sets `stop`; a second one raises KeyboardInterrupt as usual."""
+def _stop_signals_set(stop: threading.Event):
+    """While inside, the first SIGINT (Ctrl-C) or SIGTERM (a scheduler's or a container's stop) sets
+    `stop`: the run cancels its jobs in flight and leaves a resumable output. A second one raises
+    KeyboardInterrupt as usual."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -335,8 +337,9 @@ def _sigint_sets(stop: threading.Event):
             raise KeyboardInterrupt
         stop.set()
 
-    previous = signal.signal(signal.SIGINT, handler)
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, was in previous.items():
+            signal.signal(sig, was)

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+import redis
 from weightq.client.batch import BatchRun, done_ids, run_batch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,7 +96,10 @@ def test_input_is_streamed_with_bounded_jobs_in_flight(service, tmp_path):
     assert run.progress.completed == 40 and not run.inflight
 
 
-def test_ctrl_c_leaves_a_valid_file_and_a_rerun_finishes(service, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_an_interrupt_cancels_the_runs_jobs_leaves_a_valid_file_and_a_rerun_finishes(service, tmp_path, sig):
+    """Ctrl-C, or SIGTERM (a scheduler's or a container's stop): the run's queued and running jobs are
+    cancelled, none is left to run for nobody, and rerunning resumes."""
     service.worker().wait_ready()
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_requests(src, 80, max_new_tokens=48)
@@ -105,10 +110,15 @@ def test_ctrl_c_leaves_a_valid_file_and_a_rerun_finishes(service, tmp_path):
     while not out.exists() or len(out.read_text().splitlines()) < 5:
         assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else ""
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
     assert "interrupted" in stderr
+    r = redis.Redis.from_url(service.url)
+    deadline = time.monotonic() + 15
+    while any(r.hget(k, "state") in (b"queued", b"running") for k in r.scan_iter("weightq:job:*")):
+        assert time.monotonic() < deadline, "the interrupted run left jobs queued or running"
+        time.sleep(0.2)
     first = read_output(out)  # every line parses
     assert 5 <= len(first) < 80
     summary = json.loads(subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout)
