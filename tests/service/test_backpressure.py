@@ -34,7 +34,7 @@ def busy(stats: dict) -> bool:
 def test_a_flood_is_refused_past_the_bound_with_an_honest_retry_after(service):
     worker = service.worker(**SLOW)
     worker.wait_ready()
-    flood = service.client.submit_many(FLOOD)  # MAX_QUEUE_WAIT_S unset: never refused
+    flood = service.client.submit_many(FLOOD, background=False)  # class 5; MAX_QUEUE_WAIT_S unset: never refused
     worker.wait_stats(busy)
     strict = client_with(service.url, max_queue_wait_s=4.0)
     t0 = time.monotonic()
@@ -81,7 +81,7 @@ def test_the_gateway_answers_429_with_retry_after_and_exports_the_drain_time(ser
     worker.wait_ready()
     gateway.wait_ready()
     try:
-        service.client.submit_many(FLOOD)
+        service.client.submit_many(FLOOD, background=False)
         worker.wait_stats(busy)
         body = {"model": "builtin:tiny", "prompt": "hello", "max_tokens": 8}
         r = httpx.post(gateway.base + "/v1/completions", json=body, timeout=60)
