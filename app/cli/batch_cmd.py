@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from weightq.client import Client
-from weightq.client.batch import run_batch
+from weightq.client.batch import BatchChanged, run_batch
 from weightq.gateway.openai_batch import OpenAIBatchLines
 from weightq.metrics import live_workers
 from weightq.redis_conn import redacted
@@ -49,6 +49,15 @@ def batch_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="start a worker of its own on MODEL (and the embedded Redis unless REDIS_URL) for this run, then stop it",
     )
+    p.add_argument(
+        "--keep-failed", action="store_true", help="on a rerun, skip lines that failed too (default: run them again)"
+    )
+    p.add_argument(
+        "--ordered", action="store_true", help="at the end, rewrite the output in input order, one line per request"
+    )
+    p.add_argument(
+        "--force", action="store_true", help="resume an output started from another input, priority or model"
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_batch)
 
@@ -70,16 +79,23 @@ def cmd_batch(args: argparse.Namespace) -> int:
     client = Client(url, settings=settings)
     with local_worker(url, settings) if args.local else contextlib.nullcontext():
         served = served_model(client, settings, url)
-        summary, interrupted = run_batch(
-            src,
-            Path(args.output),
-            client,
-            max_in_flight=args.max_in_flight,
-            progress=not args.no_progress,
-            formats=[OpenAIBatchLines(settings.served_model_name or served)],
-            priority=args.priority,
-            watch=WorkerWatch(client, settings.queue),
-        )
+        try:
+            summary, interrupted = run_batch(
+                src,
+                Path(args.output),
+                client,
+                max_in_flight=args.max_in_flight,
+                progress=not args.no_progress,
+                formats=[OpenAIBatchLines(settings.served_model_name or served)],
+                priority=args.priority,
+                watch=WorkerWatch(client, settings.queue),
+                keep_failed=args.keep_failed,
+                ordered=args.ordered,
+                force=args.force,
+                model=settings.served_model_name or served,
+            )
+        except BatchChanged as e:
+            raise SystemExit(f"weightq batch: {e}") from None
     if args.json:
         print(json.dumps(summary))
     else:

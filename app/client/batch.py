@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import statistics
 import sys
@@ -26,13 +25,15 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
 from weightq.tasks.contract import job_key
 from weightq.tasks.limits import BATCH_PRIORITY
-from weightq.tasks.request import JobRequest, RequestError, parse_request
+from weightq.tasks.request import JobRequest, RequestError
 
 from .backlog import Overloaded
+from .batch_lines import JobLines, LineFormat
+from .batch_output import RunRecord, done_ids, write_in_input_order
 from .jobs import Client
 
 
@@ -68,84 +69,12 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else values[0]
 
 
-def done_ids(output: Path) -> set[str]:
-    """Line ids already in the output (`custom_id` of OpenAI's lines, else `id`); a torn last line
-    (killed mid-write) is cut off first."""
-    if not output.exists():
-        return set()
-    with open(output, "rb+") as f:
-        f.seek(0, os.SEEK_END)
-        size = f.tell()
-        if size:
-            f.seek(size - 1)
-            if f.read(1) != b"\n":  # find the last newline and truncate after it
-                pos = size - 1
-                while pos > 0:
-                    step = min(65536, pos)
-                    f.seek(pos - step)
-                    chunk = f.read(step)
-                    nl = chunk.rfind(b"\n")
-                    if nl >= 0:
-                        pos = pos - step + nl + 1
-                        break
-                    pos -= step
-                f.truncate(max(pos, 0))
-    ids = set()
-    with open(output, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-                ids.add(str(record["custom_id"] if "custom_id" in record else record["id"]))
-            except (ValueError, KeyError, TypeError):
-                continue
-    return ids
-
-
 def count_lines(path: Path) -> int:
     n = 0
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
             n += chunk.count(b"\n")
     return n
-
-
-class LineFormat(Protocol):
-    """One kind of input line: how to know it, name it, turn it into a job request, and write its outcome."""
-
-    def matches(self, obj: object) -> bool: ...
-
-    def line_id(self, obj: dict, n: int) -> str: ...
-
-    def request(self, obj: dict, priority: int | None) -> JobRequest:
-        """The line's job request, parsed (once) with the door's defaults and `priority` for a line
-        that names none (None: the contract's default); raises RequestError naming the field."""
-        ...
-
-    def done(self, line_id: str, obj: dict, job_id: str, result: dict) -> dict: ...
-
-    def failed(self, line_id: str, obj: dict | None, job_id: str | None, message: str, field: str | None) -> dict: ...
-
-
-class JobLines:
-    """weightq's own lines: a job request with an optional "id"; out, {"id", "result"} or {"id", "error"}."""
-
-    def matches(self, obj: object) -> bool:
-        return True
-
-    def line_id(self, obj: dict, n: int) -> str:
-        return str(obj.get("id", f"line-{n}"))
-
-    def request(self, obj: dict, priority: int | None) -> JobRequest:
-        req = {k: v for k, v in obj.items() if k != "id"}
-        if priority is not None:
-            req.setdefault("priority", priority)
-        return parse_request(req)
-
-    def done(self, line_id: str, obj: dict, job_id: str, result: dict) -> dict:
-        return {"id": line_id, "result": result}
-
-    def failed(self, line_id: str, obj: dict | None, job_id: str | None, message: str, field: str | None) -> dict:
-        return {"id": line_id, "error": {"message": message, "field": field}}
 
 
 class Interrupted(Exception):
@@ -179,6 +108,8 @@ class BatchRun:
         self.bar = bar
         self.run_tag = uuid.uuid4().hex[:10]  # job ids are fresh per run: a resumed line never meets its old job
         self.priority = BATCH_PRIORITY if priority is None else priority  # of lines that name none: background
+        self.order: list[str] = []  # every line's id, in input order (`--ordered`)
+        self.retried = 0  # lines whose earlier outcome (a failure) the output holds already
 
     def write(self, record: dict) -> None:
         self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -193,7 +124,10 @@ class BatchRun:
         if self.stop.is_set():
             raise Interrupted
 
-    def submit_lines(self, lines, skip: set[str]) -> None:
+    def submit_lines(self, lines, skip: set[str], seen: set[str] | None = None) -> None:
+        """Run every line not in `skip` (ids whose outcome the output holds); `seen`: every id the
+        output holds an outcome for, failures included (a line run again supersedes its record)."""
+        self.seen = seen or set()
         for n, line in lines:
             self.check_stop()
             if not line.strip():
@@ -208,10 +142,12 @@ class BatchRun:
                     error = (f"request: must be a JSON object (got {type(obj).__name__})", "request")
             fmt = next(f for f in self.formats if f.matches(obj)) if error is None else self.formats[-1]
             line_id = fmt.line_id(obj, n) if error is None else f"line-{n}"
+            self.order.append(line_id)
             if line_id in skip:
                 self.progress.skipped += 1
                 self._tick()
                 continue
+            self.retried += line_id in self.seen
             if error is not None:
                 self.progress.refused += 1
                 self.fail(fmt.failed(line_id, None, None, *error))
@@ -288,6 +224,10 @@ class BatchRun:
         self.bar.set_postfix(done=p.completed, failed=p.failed, tok_s=f"{p.tokens / elapsed:.0f}", refresh=False)
 
 
+class BatchChanged(ValueError):
+    """The output was started from another input or with other parameters (RunRecord)."""
+
+
 def run_batch(
     input_path: Path,
     output_path: Path,
@@ -298,12 +238,28 @@ def run_batch(
     formats: list[LineFormat] | None = None,
     priority: int | None = None,
     watch: Callable[[], None] | None = None,
+    keep_failed: bool = False,
+    ordered: bool = False,
+    force: bool = False,
+    model: str = "",
 ) -> tuple[dict, bool]:
     """Returns (summary, interrupted). `priority`: the class of lines that name none (None:
-    BATCH_PRIORITY, background); `watch`: called now and then while jobs run."""
+    BATCH_PRIORITY, background); `watch`: called now and then while jobs run. Lines whose last outcome
+    in the output is a result are skipped, failed ones run again unless `keep_failed`; `ordered`
+    rewrites the output in input order at the end of a whole run (one record per line; so does a
+    run that retried lines). Raises BatchChanged when the output was started from another input, or
+    with another priority or `model`, unless `force`."""
     from tqdm import tqdm
 
-    skip = done_ids(output_path)
+    record = RunRecord.of(input_path, BATCH_PRIORITY if priority is None else priority, model)
+    seen = done_ids(output_path)
+    if seen and (changes := record.changes_from(output_path)) and not force:
+        raise BatchChanged(
+            f"{output_path} was started from another run: {'; '.join(changes)}. Write to a new output, or "
+            "pass --force to resume it anyway"
+        )
+    record.save(output_path)
+    skip = seen if keep_failed else done_ids(output_path, failed=False)
     total = count_lines(input_path)
     bar = tqdm(total=total, unit="req", file=sys.stderr, disable=not progress, dynamic_ncols=True)
     interrupted = False
@@ -313,14 +269,16 @@ def run_batch(
         )
         try:
             with _stop_signals_set(run.stop):
-                run.submit_lines(enumerate(f, start=1), skip)
+                run.submit_lines(enumerate(f, start=1), skip, seen)
         except (Interrupted, KeyboardInterrupt):
             interrupted = True
             n = run.cancel_inflight()
             print(f"\ninterrupted: cancelled {n} jobs in flight; rerun the same command to resume", file=sys.stderr)
         finally:
             bar.close()
-    return run.progress.summary(), interrupted
+    if not interrupted and (ordered or run.retried):
+        write_in_input_order(output_path, run.order if ordered else [])
+    return run.progress.summary() | {"retried": run.retried}, interrupted
 
 
 @contextlib.contextmanager

@@ -5,17 +5,21 @@ become jobs, and each outcome is an OpenAI batch output line
 the gateway would answer for the same body (openai_api.py maps both ways).
 
 A body's `model` must be the served name, as at the gateway: SERVED_MODEL_NAME aliases the model for
-files written for another one.
+files written for another one. Other top-level fields of a line (a `metadata` object, a category) are
+carried to its output line as they were (app/client/batch_lines.py: carried).
 """
 
 from __future__ import annotations
 
+from weightq.client.batch_lines import carried, columns
 from weightq.tasks.limits import Door
 from weightq.tasks.request import JobRequest, RequestError, parse_request
 
 from . import openai_api
 
 URLS = {"/v1/completions": False, "/v1/chat/completions": True}  # url -> chat
+KNOWN = ("custom_id", "method", "url", "body")  # an input line's own fields
+OUTPUT = ("id", "custom_id", "response", "error")  # an output line's
 
 
 class OpenAIBatchLines:
@@ -29,6 +33,7 @@ class OpenAIBatchLines:
         return str(obj["custom_id"])
 
     def request(self, obj: dict, priority: int | None) -> JobRequest:
+        carried(obj, KNOWN, OUTPUT, KNOWN)  # a column named like the output's, or a near miss: refused
         if obj.get("method", "POST") != "POST":
             raise RequestError("method", f"must be POST (got {str(obj.get('method'))[:32]!r})")
         url = obj.get("url")
@@ -53,22 +58,24 @@ class OpenAIBatchLines:
         prompt = None if chat else openai_api.completion_job(obj["body"], self.model).get("prompt")
         echo = None if chat else openai_api.echoes(obj["body"], [prompt])
         body = openai_api.completion_response(job_id, self.model, result, chat=chat, echo=echo)
-        return self._line(line_id, job_id, 200, body)
+        return self._line(line_id, obj, job_id, 200, body)
 
     def failed(self, line_id: str, obj: dict | None, job_id: str | None, message: str, field: str | None) -> dict:
         if obj is None or job_id is None:  # not a request at all: OpenAI's line-level error
-            return {"id": f"batch_req_{line_id}", "custom_id": line_id, "response": None,
-                    "error": {"code": "invalid_request", "message": message}}  # fmt: skip
+            error = {"code": "invalid_request", "message": message}
+            own = columns(obj, KNOWN, OUTPUT, KNOWN)
+            return {"id": f"batch_req_{line_id}", "custom_id": line_id, **own, "response": None, "error": error}
         # as the gateway answers: named as the client sent it; a refusal naming no field is the server's
         name = openai_api.CLIENT_FIELDS.get(field, field) or None if field else None
         error = {"message": message, "type": "invalid_request_error", "param": name, "code": None}
-        return self._line(line_id, job_id, 400 if name else 500, {"error": error})
+        return self._line(line_id, obj, job_id, 400 if name else 500, {"error": error})
 
     @staticmethod
-    def _line(line_id: str, job_id: str, status: int, body: dict) -> dict:
+    def _line(line_id: str, obj: dict, job_id: str, status: int, body: dict) -> dict:
         return {
             "id": f"batch_req_{job_id}",
             "custom_id": line_id,
+            **columns(obj, KNOWN, OUTPUT, KNOWN),
             "response": {"status_code": status, "request_id": job_id, "body": body},
             "error": None,
         }

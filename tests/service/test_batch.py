@@ -57,7 +57,7 @@ def test_results_errors_and_resume(service, tmp_path):
     lines = out.read_text().splitlines(keepends=True)
     torn = json.loads(lines[-1])["id"]
     out.write_text("".join(lines[:-1]) + lines[-1][:10])
-    summary, _ = run_batch(src, out, service.client, max_in_flight=8, progress=False)
+    summary, _ = run_batch(src, out, service.client, max_in_flight=8, progress=False, keep_failed=True)
     assert summary["skipped"] == 34 and summary["requests"] == 1
     assert [r["id"] for r in read_output(out)].count(torn) == 1 and len(read_output(out)) == 35
 
@@ -177,7 +177,7 @@ def test_openai_batch_files_give_openai_shaped_lines(service, tmp_path):
             assert body["object"] == "text_completion" and isinstance(body["choices"][0]["text"], str)
         assert 0 < body["usage"]["completion_tokens"] <= 6
     assert by_id["line-201"]["error"]["field"] == "request"  # the native format's record
-    summary, _ = run_batch(src, out, service.client, max_in_flight=32, progress=False,
+    summary, _ = run_batch(src, out, service.client, max_in_flight=32, progress=False, keep_failed=True,
                            formats=[OpenAIBatchLines("builtin:tiny")])  # fmt: skip
     assert summary["skipped"] == 201 and len(read_output(out)) == 201  # resume by custom_id
 

@@ -1,0 +1,131 @@
+"""A batch run's output file: which lines it already holds, the record of what produced it, and its
+rewrite in input order.
+
+The output is appended to as jobs end, so an interrupted run leaves a valid file and a rerun resumes.
+A line's outcome is its last record: a failed line retried on a rerun appends its new outcome, and the
+rewrite (`--ordered`, or after a rerun retried lines) keeps one record per line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+def line_id_of(record: dict) -> str:
+    return str(record["custom_id"] if "custom_id" in record else record["id"])
+
+
+def succeeded(record: dict) -> bool:
+    """Whether a record is a result: weightq's own lines carry "result", OpenAI's a 200 response."""
+    if record.get("error"):
+        return False
+    response = record.get("response")
+    return "result" in record or (isinstance(response, dict) and response.get("status_code") == 200)
+
+
+def cut_torn_line(output: Path) -> None:
+    """A run killed mid-write leaves a last line without its newline: cut it (its line runs again)."""
+    with open(output, "rb+") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        if not size:
+            return
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        pos = size - 1
+        while pos > 0:  # find the last newline and truncate after it
+            step = min(65536, pos)
+            f.seek(pos - step)
+            nl = f.read(step).rfind(b"\n")
+            if nl >= 0:
+                pos = pos - step + nl + 1
+                break
+            pos -= step
+        f.truncate(max(pos, 0))
+
+
+def done_ids(output: Path, failed: bool = True) -> set[str]:
+    """Line ids the output holds an outcome for (`custom_id` of OpenAI's lines, else `id`): all of them,
+    or (failed=False) those whose last outcome is a result, so that failed lines run again."""
+    if not output.exists():
+        return set()
+    cut_torn_line(output)
+    last: dict[str, bool] = {}
+    with open(output, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+                last[line_id_of(record)] = succeeded(record)
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue
+    return {i for i, ok in last.items() if ok or failed}
+
+
+def write_in_input_order(output: Path, order: list[str]) -> int:
+    """Rewrite the output with one record per line, the last one, in `order` (the input's line ids;
+    ids not in it follow in the order they were written). Atomic: a crash leaves the old file.
+    Returns the records written. Holds the records' offsets, not the records."""
+    where: dict[str, tuple[int, int]] = {}
+    with open(output, "rb") as f:
+        offset = 0
+        for line in f:
+            with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):  # not a record: dropped
+                where[line_id_of(json.loads(line))] = (offset, len(line))
+            offset += len(line)
+    ranked = [i for i in dict.fromkeys(order) if i in where]
+    placed = set(ranked)
+    ranked += [i for i in where if i not in placed]
+    tmp = output.with_name(output.name + ".ordering")
+    with open(output, "rb") as src, open(tmp, "wb") as dst:
+        for line_id in ranked:
+            start, size = where[line_id]
+            src.seek(start)
+            dst.write(src.read(size))
+        dst.flush()
+        os.fsync(dst.fileno())
+    os.replace(tmp, output)
+    return len(ranked)
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """What produced an output file, kept beside it (`<output>.run.json`): a rerun against another
+    input or other parameters is named, not resumed as if nothing had changed."""
+
+    input_sha256: str
+    priority: int
+    model: str
+
+    @classmethod
+    def of(cls, input_path: Path, priority: int, model: str) -> RunRecord:
+        digest = hashlib.sha256()
+        with open(input_path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+        return cls(digest.hexdigest(), priority, model)
+
+    @staticmethod
+    def path(output: Path) -> Path:
+        return output.with_name(output.name + ".run.json")
+
+    def changes_from(self, output: Path) -> list[str]:
+        """What differs from the run that started `output` (none when there was none)."""
+        try:
+            was = json.loads(self.path(output).read_text())
+        except (OSError, ValueError):
+            return []
+        names = {"input_sha256": "the input file's contents", "priority": "--priority", "model": "the served model"}
+        return [
+            f"{names[k]} ({was.get(k)!r} then, {v!r} now)"
+            for k, v in asdict(self).items()
+            if was.get(k) not in (None, v)
+        ]
+
+    def save(self, output: Path) -> None:
+        self.path(output).write_text(json.dumps(asdict(self)) + "\n")
