@@ -135,7 +135,7 @@ def served_queue(name: str) -> str:
 # Fair staging (FAIR_QUEUE): a client sends a job to `staged_queue(target)` and the transport files it
 # in the target's staged sets instead of the lists Celery consumes; a worker releases staged jobs into
 # its own queue only as fast as it can start them (RELEASE), so the queue's order is the scheduler's.
-STAGED_MARK = "::staged"  # a QUEUE name may not hold it either
+STAGED_MARK = "~staged"  # a QUEUE name may not hold it either
 PRIORITY_LEVELS = 10  # kombu's priority steps 0-9 (celery_config.py): one list, and one staged set, each
 
 
@@ -153,13 +153,13 @@ def staged_sets(target: str) -> list[str]:
     """The sorted sets of jobs staged for `target`, one per broker priority, in the order kombu takes
     its lists (priority 0, the most urgent class, first). Each member is a kombu message as kombu would
     have pushed it; its score, its start tag in the target's fair order (STAGE)."""
-    return [f"weightq:staged:{target}:{p}" for p in range(PRIORITY_LEVELS)]
+    return [f"{target}{STAGED_MARK}:{p}" for p in range(PRIORITY_LEVELS)]
 
 
 def fair_key(target: str) -> str:
     """The target's fair-order state (STAGE, RELEASE): `v:<priority>` each class's virtual clock,
     `t:<tenant>` each tenant's finish tag, in weight units (prompt + new tokens)."""
-    return f"weightq:fair:{target}"
+    return f"{target}{STAGED_MARK}:fair"
 
 
 def writer_key(token: str) -> str:
