@@ -119,7 +119,9 @@ class Settings(BaseSettings):
     # HTTP gateway
     gateway_host: str = "127.0.0.1"
     gateway_port: int = 8000
-    api_key: str = ""  # when set, every route but /health needs `Authorization: Bearer <key>` (comma: several)
+    # when set, every route but the probes (/health, /live, /ready) needs `Authorization: Bearer <key>` (comma: several)
+    api_key: str = ""
+    metrics_key: str = ""  # a key that reads /metrics and /metrics/cluster only (Prometheus' credential)
     key_priorities: str = (
         ""  # "key:class,...": a key's jobs run at that priority class, the most its X-Priority may ask
     )

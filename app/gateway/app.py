@@ -67,8 +67,27 @@ def create_app(settings: Settings | None = None, url: str | None = None) -> Fast
     openai_routes.register(app, gw)
     tgi_routes.register(app, gw)
 
+    @app.get("/live")
+    def live() -> Response:
+        """Liveness: the process answers. Never on Redis or the workers, or a Kubernetes liveness
+        probe would restart every gateway whenever they are gone."""
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    def ready() -> Response:
+        """Readiness: the gateway can take jobs (its Redis answers). Not on the workers: with none
+        (scaled to zero) jobs must still be taken, so that the queue grows and an autoscaler adds one."""
+        try:
+            gw.client.redis.ping()
+            gw.client.broker.ping()
+        except redis.RedisError as e:
+            return JSONResponse({"status": "redis unreachable", "error": str(e)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
     @app.get("/health")
     def health() -> Response:
+        """For people and load balancers that route only to a stack that can answer now: 503 without
+        a live worker. (Kubernetes: /live and /ready.)"""
         try:
             gw.client.redis.ping()
             gw.client.broker.ping()  # the same server unless STREAMS_REDIS_URL is set

@@ -55,6 +55,7 @@ class Gateway:
         self.shutting_down = False
         self.serving = ServingLimits(self.workers)
         self.keys = [k.strip().encode() for k in settings.api_key.split(",") if k.strip()]
+        self.metrics_key = settings.metrics_key.strip().encode()  # reads the metrics routes, nothing else
         self.key_classes = key_classes(settings.key_priorities)
         self.browser = None if self.keys else BrowserGuard(settings.gateway_host, settings.allowed_hosts)
         self.limits = ClientLimits(

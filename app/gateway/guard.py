@@ -22,13 +22,18 @@ KNOWN_ROUTES = {
     "/",
     "/info",
     "/health",
+    "/live",
+    "/ready",
+    "/docs",
+    "/openapi.json",
     "/metrics",
     "/metrics/cluster",
 }
 
 
-def check_key(keys: list[bytes], authorization: str) -> str | None:
-    """The caller's key (None when the gateway has none); every key is compared in constant time."""
+def check_key(keys: list[bytes], authorization: str, refuse: bool = True) -> str | None:
+    """The caller's key (None when the gateway has none; without `refuse`, None for a wrong key too);
+    every key is compared in constant time."""
     if not keys:
         return None
     scheme, _, token = authorization.partition(" ")
@@ -37,7 +42,7 @@ def check_key(keys: list[bytes], authorization: str) -> str | None:
     for key in keys:  # no early exit: the time taken says nothing about which key was close
         if hmac.compare_digest(given, key) and scheme.lower() == "bearer":
             matched = key.decode()
-    if matched is None:
+    if matched is None and refuse:
         raise HTTPError(
             401, "missing or wrong API key (send Authorization: Bearer <key>)", None, "authentication_error"
         )
@@ -56,7 +61,8 @@ class Guard:
     """ASGI middleware: the API key check and per-route request counts. (Pure ASGI, not Starlette's
     BaseHTTPMiddleware, which hides a client's disconnect from the handlers.)"""
 
-    OPEN = ("/health", "/docs", "/openapi.json")
+    OPEN = ("/health", "/live", "/ready")  # the probes: what a load balancer or Kubernetes calls without a key
+    METRICS = ("/metrics", "/metrics/cluster")  # also open to METRICS_KEY
 
     def __init__(self, app, gateway: Gateway) -> None:
         self.app, self.gw = app, gateway
@@ -81,8 +87,15 @@ class Guard:
                 headers = dict(scope["headers"])
                 if self.gw.browser is not None:  # keyless: what a browser page could send is refused
                     self.gw.browser.check(scope["method"], headers)
-                if path not in self.OPEN:
-                    key = check_key(self.gw.keys, headers.get(b"authorization", b"").decode("latin-1"))
+                authorization = headers.get(b"authorization", b"").decode("latin-1")
+                if (
+                    path in self.METRICS
+                    and self.gw.metrics_key
+                    and check_key([self.gw.metrics_key], authorization, False)
+                ):
+                    pass  # Prometheus' own credential: the metrics, nothing else
+                elif path not in self.OPEN:
+                    key = check_key(self.gw.keys, authorization)
                     state["api_key"] = key  # its priority class (priority.py)
                     state["tenant"] = tenant_of(key)  # whose jobs it may start, resume and cancel
                     if scope["method"] == "POST":  # generation routes: limited per client

@@ -56,3 +56,21 @@ def test_gateway_refuses_a_public_bind_without_an_api_key(tmp_path):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode != 0 and "refusing to serve 0.0.0.0 without an API key" in out.stderr
+
+
+def test_probes_are_open_the_docs_need_a_key_and_the_metrics_key_reads_only_the_metrics(redis_url, tmp_path):
+    """Kubernetes probes need no key and mean what they say (/live: the process; /ready: its Redis,
+    not the workers, which may be scaled to zero); /docs and /openapi.json are behind the key; a
+    METRICS_KEY (Prometheus' one credential beside several API keys) reads the metrics and nothing else."""
+    gateway = GatewayProcess(redis_url, tmp_path, api_key="k1,k2", metrics_key="scraper").wait_ready()
+    try:
+        get = lambda path, key=None: httpx.get(  # noqa: E731
+            gateway.base + path, headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=30
+        ).status_code
+        assert get("/live") == get("/ready") == 200 and get("/health") == 503  # no worker: alive and ready
+        assert get("/docs") == get("/openapi.json") == 401 and get("/openapi.json", "k2") == 200
+        assert get("/metrics", "scraper") == get("/metrics/cluster", "scraper") == 200
+        assert get("/metrics") == 401 and get("/v1/models", "scraper") == 401
+        assert get("/metrics/cluster", "k1") == 200
+    finally:
+        gateway.stop()
