@@ -190,10 +190,16 @@ class BacklogCollector:
             return
         drain = GaugeMetricFamily(
             "weightq_projected_drain_seconds",
-            "Projected seconds until every job queued now has a worker (0: none waits)",
+            "Projected seconds until every job queued now has a worker (0: none waits; +Inf: jobs wait, no worker)",
         )
         drain.add_metric([], proj.drain_s())
         yield drain
+        backlog = GaugeMetricFamily(
+            "weightq_backlog_worker_seconds",
+            "The running and queued jobs' work in seconds of one worker: scale workers on it (KEDA AverageValue)",
+        )
+        backlog.add_metric([], proj.backlog_s)
+        yield backlog
         wait = GaugeMetricFamily(
             "weightq_projected_wait_seconds", "Projected wait for a worker of a job submitted now, by class",
             labels=["priority"],

@@ -29,6 +29,7 @@ BEYOND = 2048  # ... past those queued now: the jobs submitted until the next pr
 DEFAULT_STEP_S = 0.05  # a worker that has not stepped yet: a guess, replaced at its first heartbeat
 DEFAULT_OUTPUT = 64  # ... and no finished request yet: the job door's default max_new_tokens
 MAX_AGE_S = 5.0  # a heartbeat is moved on by its age, up to this
+DEFAULT_SLOTS = 16  # ... and no worker at all (the autoscaler's backlog from zero): a guess of its slots
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,10 @@ class Projection:
     rate: float  # jobs started per second once the replay ends
     ahead: Mapping[int, int]  # class -> jobs (in engines and the broker) a new job of it waits behind
     workers: int
+    # the work in hand (running and queued) in seconds of one worker: what an autoscaler divides by its
+    # target (KEDA's AverageValue). More workers do not shrink it (they shrink the drain time), so
+    # replicas settle where it says, and with jobs queued and no worker it is above 0 (scale from zero).
+    backlog_s: float = 0.0
 
     def wait(self, priority: int, extra: int = 0) -> float | None:
         """Seconds until a new job of this class (behind `extra` more just submitted) could start;
@@ -89,8 +94,13 @@ class Projection:
         return last + (k - len(self.starts) + 1) / self.rate if self.rate > 0 else math.inf
 
     def drain_s(self) -> float:
-        """Seconds until every job now queued has started: what an autoscaler should scale on."""
-        return self.wait(0) or 0.0
+        """Seconds until every job now queued has a worker (0 when none waits; infinite while jobs
+        wait with no worker)."""
+        if not self.ahead.get(0, 0):
+            return 0.0  # none queued
+        if not self.workers:
+            return math.inf
+        return self.start(self.ahead[0])  # when a worker is free for a job queued after them
 
 
 def project(workers: list[WorkerOutlook], queued: Mapping[int, int]) -> Projection:
@@ -120,7 +130,19 @@ def project(workers: list[WorkerOutlook], queued: Mapping[int, int]) -> Projecti
         starts.append(max(0.0, t))
         heapq.heappush(heap, (t + workers[i].job_s, i))
     rate = sum(w.slots / w.job_s for w in workers)
-    return Projection(tuple(starts), rate, ahead, len(workers))
+    return Projection(tuple(starts), rate, ahead, len(workers), backlog_seconds(workers, total))
+
+
+def backlog_seconds(workers: list[WorkerOutlook], queued: int) -> float:
+    """Seconds of one worker's time the running and `queued` jobs take: each running request's
+    remaining time and each queued job's typical time, over the slots it shares a worker with. With no
+    worker to learn from, a queued job counts a default job over DEFAULT_SLOTS."""
+    running = sum(sum(max(0.0, t) for t in w.free_at) / w.slots for w in workers)
+    if workers:
+        per_job = sum(w.job_s / w.slots for w in workers) / len(workers)
+    else:
+        per_job = DEFAULT_OUTPUT * DEFAULT_STEP_S / DEFAULT_SLOTS
+    return running + queued * per_job
 
 
 class Overloaded(RuntimeError):

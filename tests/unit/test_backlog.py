@@ -92,3 +92,23 @@ def test_refusals_are_promised_slots_in_turn():
     assert retry_afters == sorted(retry_afters) and retry_afters[-1] >= retry_afters[0] + 2  # in turn
     pressure.admit([JobRequest(prompt="x", priority=9)])  # an urgent job is behind none of them
     assert len(pressure._promised) == 6 and all(at > time.time() for at, _ in pressure._promised)
+
+
+def test_the_autoscalers_backlog_scales_from_zero_and_holds_while_busy():
+    # jobs wait and no worker runs: the drain is infinite and the backlog above 0, so KEDA activates
+    idle = project([], {5: 3})
+    assert idle.drain_s() == math.inf and idle.backlog_s > 0
+    assert project([], {}).backlog_s == 0.0 and project([], {}).drain_s() == 0.0
+    # busy workers and nothing queued: no drain time, but the work in hand keeps the replicas
+    busy = project([worker(free_at=(4.0, 2.0), slots=2, job_s=6.0)], {})
+    assert busy.drain_s() == 0.0 and busy.backlog_s == 3.0  # (4 + 2) s of requests over 2 slots
+
+
+def test_the_backlog_does_not_depend_on_how_many_workers_share_it():
+    """KEDA's AverageValue divides the metric by the target: a metric that more workers shrink (the
+    drain time) would scale in as soon as it scaled out. The backlog is the same work, however split."""
+    queued = {5: 40}
+    one = project([worker(slots=4, job_s=8.0)], queued)
+    four = project([worker(slots=4, job_s=8.0) for _ in range(4)], queued)
+    assert one.backlog_s == four.backlog_s == 40 * 8.0 / 4
+    assert four.drain_s() < one.drain_s()
