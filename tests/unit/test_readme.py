@@ -117,6 +117,14 @@ def _check(argv: list[str]) -> None:
             )
     elif tool == "bash":
         assert (ROOT / args[0]).is_file()
+    elif tool == "kubectl":
+        if args[:2] == ["apply", "-k"]:
+            assert (ROOT / args[2] / "kustomization.yaml").is_file()
+        else:  # the secret the manifests read, with the keys they read from it
+            assert args[:4] == ["create", "secret", "generic", "weightq-keys"], args
+            assert all(a.split("=")[0].removeprefix("--from-literal=") in ("API_KEY", "METRICS_KEY") for a in args[4:])
+    elif tool == "$EDITOR":
+        assert (ROOT / args[0]).is_file()
     else:
         raise AssertionError(f"a README command this test does not know: {argv}")
 
