@@ -122,7 +122,7 @@ def _check(argv: list[str]) -> None:
             assert (ROOT / args[2] / "kustomization.yaml").is_file()
         else:  # the secret the manifests read, with the keys they read from it
             assert args[:4] == ["create", "secret", "generic", "weightq-keys"], args
-            assert all(a.split("=")[0].removeprefix("--from-literal=") in ("API_KEY", "METRICS_KEY") for a in args[4:])
+            assert all(a.removeprefix("--from-literal=").split("=")[0] in ("API_KEY", "METRICS_KEY") for a in args[4:])
     elif tool == "$EDITOR":
         assert (ROOT / args[0]).is_file()
     else:
