@@ -63,6 +63,18 @@ def gpu_ids(spec: str) -> list[str]:
     return ids
 
 
+# A model must be named: a default would pull the tiny test model into production.
+MODEL = "${MODEL:?set MODEL: a hub id or a path (builtin:tiny to try the stack)}"
+# Every setting of the project's .env reaches the containers (compose reads the same file for ${...}).
+ENV_FILE = {"path": ".env", "required": False}
+PROMETHEUS_START = (
+    'test -n "$$METRICS_KEY" || { echo "set METRICS_KEY (the gateway reads it too)" >&2; exit 1; }; '
+    'printf %s "$$METRICS_KEY" > /tmp/metrics_key; '
+    "exec /bin/prometheus --config.file=/etc/prometheus/prometheus.yml --storage.tsdb.path=/prometheus"
+)
+GRAFANA_START = 'test -n "$$GF_SECURITY_ADMIN_PASSWORD" || { echo "set GRAFANA_PASSWORD" >&2; exit 1; }; exec /run.sh'
+
+
 def compose_yaml(gpus: str = "1", *, cpu: int | None = None, role: str = "all", expose_redis: bool = False) -> str:
     flags = f"--cpu {cpu}" if cpu else f"--gpus {gpus}"
     flags += " --role workers" if role == "workers" else ""
@@ -73,18 +85,23 @@ def compose_yaml(gpus: str = "1", *, cpu: int | None = None, role: str = "all", 
         "# the same GPU). Not supported: one model across several GPUs (tensor parallelism), several models",
         "# behind one gateway (give each model its own QUEUE, workers and gateway).",
     ]
+    header.append(
+        "# Settings: a `.env` file beside it (KEY=value lines: compose reads it, and every setting in it reaches"
+    )
+    header.append(
+        "# the workers and the gateway: HF_TOKEN, MAX_QUEUE_WAIT_S, STREAMS_REDIS_URL, ...). MODEL is required."
+    )
     if role == "all":
         header.append(
             "#   MODEL=Qwen/Qwen2.5-0.5B-Instruct API_KEY=... FLOWER_BASIC_AUTH=admin:... docker compose up -d"
         )
         header.append(
-            "#   ... --profile monitoring up -d   adds Prometheus (:9090) and Grafana (:3000, GRAFANA_PASSWORD)"
+            "#   ... --profile monitoring up -d: Prometheus (:9090, METRICS_KEY) and Grafana (:3000, GRAFANA_PASSWORD)"
         )
     else:
         header.append("#   REDIS_URL=redis://:password@first-machine:6379/0 MODEL=... docker compose up -d")
     doc = {"services": services(gpus, cpu, role, expose_redis)}
     if role == "all":
-        doc["secrets"] = {"api_key": {"environment": "API_KEY"}}
         doc["volumes"] = {"redis-data": {}, "model-cache": {}, "prometheus-data": {}}
     else:
         doc["volumes"] = {"model-cache": {}}
@@ -130,15 +147,11 @@ def worker_service(i: int, gpu: str | None, url: str, local_redis: bool) -> dict
         "command": ["weightq", "worker", "--hostname", f"{'gpu' if gpu is not None else 'cpu'}{i}@%h", "-l", "INFO"],
         "environment": {
             "REDIS_URL": url,
-            "MODEL": "${MODEL:-builtin:tiny}",
-            "SERVED_MODEL_NAME": "${SERVED_MODEL_NAME:-}",
-            "MAX_BATCH_WEIGHT": "${MAX_BATCH_WEIGHT:-0}",
-            "MAX_TOTAL_TOKENS": "${MAX_TOTAL_TOKENS:-0}",
-            "GPU_MEMORY_FRACTION": "${GPU_MEMORY_FRACTION:-0.85}",
-            "CONCURRENCY": "${CONCURRENCY:-128}",
+            "MODEL": MODEL,
             "WEIGHTQ_HOME": "/data/weightq",
             "HF_HOME": "/data/hf",
         },
+        "env_file": [ENV_FILE],
         "volumes": ["model-cache:/data"],
         # warm shutdown: running generations finish (SHUTDOWN_GRACE_S, 30 s) or go back to the queue
         "stop_grace_period": "60s",
@@ -159,12 +172,11 @@ def gateway_service(url: str) -> dict:
         "command": ["weightq", "gateway", "--host", "0.0.0.0", "--port", "8000"],
         "environment": {
             "REDIS_URL": url,
-            "MODEL": "${MODEL:-builtin:tiny}",
-            "SERVED_MODEL_NAME": "${SERVED_MODEL_NAME:-}",
+            "MODEL": MODEL,
             "API_KEY": "${API_KEY:?set API_KEY, the gateway refuses to serve a public address without one}",
-            # a reverse proxy on the compose network may name its clients (per-address limits)
-            "TRUSTED_PROXIES": "${TRUSTED_PROXIES:-127.0.0.1}",
+            "METRICS_KEY": "${METRICS_KEY:-}",  # Prometheus' credential (the monitoring profile)
         },
+        "env_file": [ENV_FILE],
         "ports": ["8000:8000"],
         "depends_on": {"redis": {"condition": "service_healthy"}},
     }
@@ -188,15 +200,19 @@ def monitoring_services() -> tuple[dict, dict]:
         "image": "prom/prometheus:v2.53.0",
         "profiles": ["monitoring"],
         "restart": "unless-stopped",
+        # its credential is METRICS_KEY (the gateway reads the same), written where prometheus.yml reads it; a
+        # check in the container, not a ${...:?} in this file, which compose would apply to a plain `up` too
+        "entrypoint": ["sh", "-c", PROMETHEUS_START],
+        "environment": {"METRICS_KEY": "${METRICS_KEY:-}"},
         "volumes": ["./deploy/prometheus.yml:/etc/prometheus/prometheus.yml:ro", "prometheus-data:/prometheus"],
-        "secrets": ["api_key"],  # /run/secrets/api_key: /metrics needs the gateway's key
         "ports": ["9090:9090"],
     }
     grafana = {
         "image": "grafana/grafana:11.1.0",
         "profiles": ["monitoring"],
         "restart": "unless-stopped",
-        "environment": {"GF_SECURITY_ADMIN_PASSWORD": "${GRAFANA_PASSWORD:?set GRAFANA_PASSWORD}"},
+        "entrypoint": ["sh", "-c", GRAFANA_START],
+        "environment": {"GF_SECURITY_ADMIN_PASSWORD": "${GRAFANA_PASSWORD:-}"},
         "volumes": [
             "./deploy/grafana/provisioning:/etc/grafana/provisioning:ro",
             "./deploy/grafana/dashboards:/var/lib/grafana/dashboards:ro",

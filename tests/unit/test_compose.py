@@ -140,3 +140,21 @@ def test_celery_app_named_by_compose_exists():
 
     app.loader.import_default_modules()  # what a worker does at start
     assert "weightq.generate" in app.tasks
+
+
+def test_every_setting_reaches_the_containers_model_is_said_and_monitoring_needs_nothing_to_start():
+    """Settings come from the project's .env (compose reads it for ${...} too) to the workers and the
+    gateway; MODEL has no default; the monitoring profile's credentials are checked in its containers,
+    not by ${...:?}, which compose applies to the whole file, so a plain `up` never asks for them."""
+    doc = yaml.safe_load(compose_yaml())
+    svc = doc["services"]
+    for name in ("worker-0", "gateway"):
+        assert svc[name]["env_file"] == [{"path": ".env", "required": False}], name
+        assert svc[name]["environment"]["MODEL"].startswith("${MODEL:?"), name
+    text = compose_yaml()
+    assert "GRAFANA_PASSWORD:?" not in text and "METRICS_KEY:?" not in text
+    for name, var in (("prometheus", "METRICS_KEY"), ("grafana", "GF_SECURITY_ADMIN_PASSWORD")):
+        assert f'test -n "$${var}"' in svc[name]["entrypoint"][-1], name
+    assert svc["gateway"]["environment"]["METRICS_KEY"] == "${METRICS_KEY:-}"
+    prometheus = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
+    assert {j["authorization"]["credentials_file"] for j in prometheus["scrape_configs"]} == {"/tmp/metrics_key"}
