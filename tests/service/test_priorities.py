@@ -59,3 +59,18 @@ def test_a_long_queued_low_priority_job_is_never_sent_again(service):
     assert "lost its message" not in worker.log()  # never sent again
     # the high jobs started first (they came later, in a more urgent list)
     assert ms(attempt_ids(r, low.id)[0]) >= max(ms(attempt_ids(r, j.id)[0]) for j in high)
+
+
+def test_a_plain_celery_app_configured_as_the_readme_says_files_a_class_where_weightq_takes_it(service):
+    """Sent by name with priority 4 (class 5): with kombu's ten priority steps, in class 5's list; with
+    kombu's default four, in class 6's (what the README warns of)."""
+    from celery import Celery
+
+    r = redis.Redis.from_url(service.url)
+    lists = priority_queues("weightq")
+    for steps, want in (({"priority_steps": list(range(10)), "queue_order_strategy": "priority"}, 4), ({}, 3)):
+        app = Celery(broker=service.url, backend=service.url)
+        app.conf.broker_transport_options = steps
+        app.send_task("weightq.generate", args=[{"prompt": "Hi", "priority": 5}], queue="weightq", priority=4)
+        assert [r.llen(q) for q in lists].index(1) == want  # lists[i] is class 9 - i
+        r.delete(*lists)
