@@ -179,6 +179,19 @@ class Job:
             self.client.app.control.revoke(self.id)
         return state
 
+    def sse(self, timeout: float | None = None) -> Iterator[str]:
+        """The job as server-sent events for a browser (sse.py: JSON data, an end or error event;
+        closing it early cancels the job)."""
+        from .sse import sse
+
+        return sse(self, timeout)
+
+    def asse(self, timeout: float | None = None) -> AsyncIterator[str]:
+        """sse() for an async framework (FastAPI, Starlette, Django's async views)."""
+        from .sse import asse
+
+        return asse(self, timeout)
+
     async def astream(self, timeout: float | None = None) -> AsyncIterator[str]:
         """The asyncio variant of stream() (runs the blocking reads in a thread)."""
         it = self.stream(timeout)
