@@ -64,11 +64,11 @@ def test_probes_are_open_the_docs_need_a_key_and_the_metrics_key_reads_only_the_
     METRICS_KEY (Prometheus' one credential beside several API keys) reads the metrics and nothing else."""
     gateway = GatewayProcess(redis_url, tmp_path, api_key="k1,k2", metrics_key="scraper").wait_ready()
     try:
-        get = lambda path, key=None: (
-            httpx.get(  # noqa: E731
-                gateway.base + path, headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=30
-            ).status_code
-        )
+
+        def get(path: str, key: str | None = None) -> int:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            return httpx.get(gateway.base + path, headers=headers, timeout=30).status_code
+
         assert get("/live") == get("/ready") == 200 and get("/health") == 503  # no worker: alive and ready
         assert get("/docs") == get("/openapi.json") == 401 and get("/openapi.json", "k2") == 200
         assert get("/metrics", "scraper") == get("/metrics/cluster", "scraper") == 200
