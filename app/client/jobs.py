@@ -46,7 +46,7 @@ from weightq.tasks.contract import (
     stream_key,
 )
 from weightq.tasks.limits import BATCH_PRIORITY, BULK_JOBS, broker_priority
-from weightq.tasks.request import JobRequest, parse_request
+from weightq.tasks.request import JobRequest, RequestError, parse_request
 from weightq.tasks.results import TokenLogprobs
 from weightq.tasks.sizes import job_weight
 from weightq.transport import TENANT_HEADER, WEIGHT_HEADER
@@ -55,6 +55,20 @@ from .pressure import Backpressure
 from .routing import Router
 
 __all__ = ["Client", "Job", "JobFailed", "StreamEvent", "submit"]
+
+
+def check_servable(jobs: Sequence[JobRequest], structured: bool | None, queue: str) -> None:
+    """Refuse, before anything is written, structured output when the live workers of `queue` have no
+    grammar engine: each would fail the job after it waited its turn. None: no worker live (jobs wait)."""
+    if structured is False and any(job.guided is not None for job in jobs):
+        raise RequestError("guided", NO_STRUCTURED.format(queue=queue))
+
+
+NO_STRUCTURED = (
+    "structured output: no worker of queue {queue!r} has xgrammar installed (`pip install weightq[worker]` "
+    "alone has none): install the `structured` extra on the workers (CUDA), or on the CPU "
+    "`pip install --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2` (the project's images have it)"
+)
 
 
 @dataclass(slots=True)
@@ -274,6 +288,8 @@ class Client:
                 for r in requests
             ]
         jobs = [r if isinstance(r, JobRequest) else parse_request(r) for r in requests]
+        if not checked:  # the gateway checks when it parses (Intake.parse)
+            check_servable(jobs, self.router.structured(), self.settings.queue)
         if not checked:  # the gateway checks once per HTTP request, before its choices are parsed apart
             self.backpressure.admit(jobs)
         ids = [job.request_id or uuid.uuid4().hex for job in jobs]

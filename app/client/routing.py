@@ -29,6 +29,7 @@ class Router:
     def __init__(self, streams: redis.Redis, broker: redis.Redis, settings: Settings) -> None:
         self.redis, self.broker, self.settings = streams, broker, settings  # heartbeats; the queues
         self._workers: dict[str, str] = {}  # worker name -> its own queue
+        self._structured: bool | None = None  # whether a live worker of QUEUE serves `guided` (None: none live)
         self._read_at = float("-inf")
 
     def workers(self) -> dict[str, str]:
@@ -37,11 +38,17 @@ class Router:
         if now - self._read_at >= REFRESH_S:
             live = live_workers(self.redis.hgetall(HEARTBEATS))
             queue = self.settings.queue
-            self._workers = {
-                name: s["own_queue"] for name, s in live.items() if s.get("queue") == queue and s.get("own_queue")
-            }
+            mine = {name: s for name, s in live.items() if s.get("queue") == queue}
+            self._workers = {name: s["own_queue"] for name, s in mine.items() if s.get("own_queue")}
+            self._structured = any(s.get("structured", True) for s in mine.values()) if mine else None
             self._read_at = now
         return self._workers
+
+    def structured(self) -> bool | None:
+        """Whether a live worker of this QUEUE can serve structured output (`guided`); None when no
+        worker is live (a job then waits for one, as any job does)."""
+        self.workers()
+        return self._structured
 
     def queues(self, jobs: Sequence[JobRequest]) -> list[str]:
         """The queue of each job, in order."""

@@ -83,12 +83,20 @@ class ServingLimits:
     def __init__(self, workers: Callable[[], dict[str, dict]]) -> None:
         self._workers = workers
         self._limit, self._at = 0, float("-inf")
+        self._structured: bool | None = None
 
     def max_total_tokens(self) -> int:
         """The smallest prompt + output limit among live workers; 0 when none is known."""
         now = time.monotonic()
         if now - self._at > 2.0:
-            limits = [w.get("max_total_tokens") for w in self._workers().values()]
+            workers = list(self._workers().values())
+            limits = [w.get("max_total_tokens") for w in workers]
             self._limit = min((n for n in limits if isinstance(n, int) and n > 0), default=0)
+            self._structured = any(w.get("structured", True) for w in workers) if workers else None
             self._at = now
         return self._limit
+
+    def structured(self) -> bool | None:
+        """Whether a live worker can serve structured output (`guided`); None when none is known."""
+        self.max_total_tokens()
+        return self._structured

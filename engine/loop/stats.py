@@ -94,6 +94,7 @@ def engine_stats(engine: Engine) -> dict:
         **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in meter.counters.items()},
         "occupied_s": round(meter.occupied_s(), 3),
         "model": engine.config.model,
+        "structured": engine.grammars.available,  # can serve `guided` (xgrammar installed)
         "attention": engine.backend,
         "runner": engine.lm.runner,
         "compiled": engine.runner.compiled,

@@ -63,6 +63,7 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, token_texts, *, timeout_s: float = 0.0, memory_mb: int = 0) -> None:
         self.tokenizer, self.vocab_size, self.token_texts = tokenizer, vocab_size, token_texts
         self.timeout_s, self.memory_mb = timeout_s, memory_mb
+        self.available = available()  # xgrammar installed: `guided` can be served (workers advertise it)
         self._control: torch.Tensor | None = None
         self._compiler: Any = None
         self._trial: Any = None  # a GrammarTrial once a spec needs one (timeout_s > 0)
