@@ -35,8 +35,10 @@ import time
 from pathlib import Path
 
 import httpx
+import redis
 from weightq.cli.processes import ROOT, GatewayProcess, WorkerProcess
 from weightq.cli.redis_server import EmbeddedRedis
+from weightq.tasks.contract import job_key
 
 STEP_S = 0.02
 WORKER = {
@@ -52,9 +54,12 @@ def pct(xs: list[float], q: float) -> float:
     return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3) if xs else 0.0
 
 
+SUBMITTED: dict[str, float] = {}  # a light request's job id -> when its HTTP request was sent (unix s)
+
+
 async def first_token(http: httpx.AsyncClient, base: str, key: str, body: dict) -> float | None:
     """Seconds to the first token of one streaming request (None: it failed); reads it to the end."""
-    t0 = time.monotonic()
+    t0, sent = time.monotonic(), time.time()
     ttft = None
     headers = {"Authorization": f"Bearer {key}"}
     async with http.stream("POST", base + body.pop("_route"), json=body, headers=headers) as r:
@@ -64,7 +69,21 @@ async def first_token(http: httpx.AsyncClient, base: str, key: str, body: dict) 
         async for line in r.aiter_lines():
             if ttft is None and line.startswith("data: {"):
                 ttft = time.monotonic() - t0
+                if key == "light-key":
+                    SUBMITTED[json.loads(line[6:])["id"].split("-", 1)[1]] = sent
     return ttft
+
+
+def gateway_share(r: redis.Redis) -> list[float]:
+    """For each light request since the last call: seconds from its HTTP request to its job's record
+    (the gateway's part of its TTFT; the rest is the queue and the engine)."""
+    out = []
+    for job_id, sent in SUBMITTED.items():
+        queued = r.hget(job_key(job_id), "queued_at")
+        if queued is not None:
+            out.append(float(queued) - sent)
+    SUBMITTED.clear()
+    return out
 
 
 def chat(i: int) -> dict:
@@ -163,7 +182,7 @@ def flood(base: str, n: int, results) -> None:
     results.put(asyncio.run(run()))
 
 
-def tenants(base: str, n: int, solo_s: float) -> dict:
+def tenants(base: str, n: int, solo_s: float, r: redis.Redis) -> dict:
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     proc = ctx.Process(target=flood, args=(base, n, results))
@@ -172,7 +191,9 @@ def tenants(base: str, n: int, solo_s: float) -> dict:
     light = asyncio.run(interactive(base, lambda: not proc.is_alive() or not results.empty()))
     took, failed = results.get()
     proc.join()
+    at_gateway = gateway_share(r)
     return {"light_ttft_p50_s": pct(light, 0.5), "light_ttft_p99_s": pct(light, 0.99), "light_requests": len(light),
+            "light_gateway_p50_s": pct(at_gateway, 0.5), "light_gateway_p99_s": pct(at_gateway, 0.99),
             "flood_jobs_s": round(n / took, 2), "flood_failed": failed}  # fmt: skip
 
 
@@ -199,44 +220,10 @@ def cluster(n_workers: int, args) -> dict:
         fifo.wait_ready()
         asyncio.run(interactive(fair.base, timed(2.0)))  # warm
         out: dict = {"workers": n_workers}
-        # web beside batch
-        solo = asyncio.run(interactive(fair.base, timed(args.seconds)))
-        alone = Batch(url, home, args.lines, "alone")
-        while not alone.done():
-            time.sleep(0.2)
-        batch_alone = alone.lines_s()
-        beside = Batch(url, home, args.lines, "beside")
-        time.sleep(1.0)  # the batch has filled the workers
-        mixed = asyncio.run(interactive(fair.base, beside.done))
-        batch_mixed = beside.lines_s()
-        out["batch"] = {
-            "interactive_solo_p50_s": pct(solo, 0.5), "interactive_solo_p99_s": pct(solo, 0.99),
-            "interactive_beside_batch_p50_s": pct(mixed, 0.5), "interactive_beside_batch_p99_s": pct(mixed, 0.99),
-            "interactive_requests": len(mixed),
-            "ttft_p99_vs_solo": round(pct(mixed, 0.99) / max(pct(solo, 0.99), 1e-3), 2),
-            "ttft_p99_target_s": round(max(1.5 * pct(solo, 0.99), 0.5), 3),
-            "batch_lines_s_alone": batch_alone, "batch_lines_s_beside_interactive": batch_mixed,
-            "batch_vs_alone": round(batch_mixed / batch_alone, 3),
-        }  # fmt: skip
-        out["batch"]["within_targets"] = (
-            out["batch"]["interactive_beside_batch_p99_s"] <= out["batch"]["ttft_p99_target_s"]
-            and out["batch"]["batch_vs_alone"] >= 0.9
-        )
-        # two tenants in one class
-        light_solo = asyncio.run(interactive(fair.base, timed(args.seconds)))
-        with_fair = tenants(fair.base, args.flood, args.seconds)
-        with_fifo = tenants(fifo.base, args.flood, args.seconds)
-        target = max(2 * pct(light_solo, 0.99), 0.5)
-        out["tenants"] = {
-            "light_solo_p50_s": pct(light_solo, 0.5), "light_solo_p99_s": pct(light_solo, 0.99),
-            "fair": with_fair, "fifo": with_fifo,
-            "light_p99_vs_solo": round(with_fair["light_ttft_p99_s"] / max(pct(light_solo, 0.99), 1e-3), 2),
-            "light_p99_target_s": round(target, 3),
-            "throughput_fair_vs_fifo": round(with_fair["flood_jobs_s"] / with_fifo["flood_jobs_s"], 3),
-        }  # fmt: skip
-        out["tenants"]["within_targets"] = (
-            with_fair["light_ttft_p99_s"] <= target and out["tenants"]["throughput_fair_vs_fifo"] >= 0.95
-        )
+        if "batch" in args.scenarios:
+            out["batch"] = web_beside_batch(url, home, fair, args)
+        if "tenants" in args.scenarios:
+            out["tenants"] = two_tenants(url, fair, fifo, args)
         out["workers_report"] = worker_report(workers)
         return out
     finally:
@@ -247,6 +234,49 @@ def cluster(n_workers: int, args) -> dict:
         server.stop()
 
 
+def web_beside_batch(url: str, home: Path, fair: GatewayProcess, args) -> dict:
+    solo = asyncio.run(interactive(fair.base, timed(args.seconds)))
+    alone = Batch(url, home, args.lines, "alone")
+    while not alone.done():
+        time.sleep(0.2)
+    batch_alone = alone.lines_s()
+    beside = Batch(url, home, args.lines, "beside")
+    time.sleep(1.0)  # the batch has filled the workers
+    mixed = asyncio.run(interactive(fair.base, beside.done))
+    batch_mixed = beside.lines_s()
+    out = {
+        "interactive_solo_p50_s": pct(solo, 0.5), "interactive_solo_p99_s": pct(solo, 0.99),
+        "interactive_beside_batch_p50_s": pct(mixed, 0.5), "interactive_beside_batch_p99_s": pct(mixed, 0.99),
+        "interactive_requests": len(mixed),
+        "ttft_p99_vs_solo": round(pct(mixed, 0.99) / max(pct(solo, 0.99), 1e-3), 2),
+        "ttft_p99_target_s": round(max(1.5 * pct(solo, 0.99), 0.5), 3),
+        "batch_lines_s_alone": batch_alone, "batch_lines_s_beside_interactive": batch_mixed,
+        "batch_vs_alone": round(batch_mixed / batch_alone, 3),
+    }  # fmt: skip
+    out["within_targets"] = out["interactive_beside_batch_p99_s"] <= out["ttft_p99_target_s"] and (
+        out["batch_vs_alone"] >= 0.9
+    )
+    return out
+
+
+def two_tenants(url: str, fair: GatewayProcess, fifo: GatewayProcess, args) -> dict:
+    light_solo = asyncio.run(interactive(fair.base, timed(args.seconds)))
+    r = redis.Redis.from_url(url)
+    SUBMITTED.clear()
+    with_fair = tenants(fair.base, args.flood, args.seconds, r)
+    with_fifo = tenants(fifo.base, args.flood, args.seconds, r)
+    target = max(2 * pct(light_solo, 0.99), 0.5)
+    out = {
+        "light_solo_p50_s": pct(light_solo, 0.5), "light_solo_p99_s": pct(light_solo, 0.99),
+        "fair": with_fair, "fifo": with_fifo,
+        "light_p99_vs_solo": round(with_fair["light_ttft_p99_s"] / max(pct(light_solo, 0.99), 1e-3), 2),
+        "light_p99_target_s": round(target, 3),
+        "throughput_fair_vs_fifo": round(with_fair["flood_jobs_s"] / with_fifo["flood_jobs_s"], 3),
+    }  # fmt: skip
+    out["within_targets"] = with_fair["light_ttft_p99_s"] <= target and out["throughput_fair_vs_fifo"] >= 0.95
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true")
@@ -254,6 +284,7 @@ def main() -> None:
     ap.add_argument("--lines", type=int, default=3000)
     ap.add_argument("--flood", type=int, default=1000)
     ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--scenarios", default="batch,tenants")
     args = ap.parse_args()
     runs = []
     for n in (int(x) for x in args.workers.split(",")):
