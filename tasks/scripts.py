@@ -297,13 +297,14 @@ return string.format('%.17g', s)
 # start tag (never back). Atomic: a job is never out of Redis. KEYS: the destination's 10 lists, the 10
 # lists whose messages count as waiting for this worker (the destination's, or the shared queue's too),
 # then per source its fair hash and its 10 staged sets. ARGV: any, urgent, last urgent priority index,
-# sources, whether the destination's waiting messages count against `any`, light, heavy tenants...
-# Returns {released, messages waiting in the lists of both (0 when nothing may go beyond the room)}.
+# sources, whether the destination's waiting messages count against `any`, light, whether to count the
+# waiting messages even if nothing is released, heavy tenants... Returns {released, messages waiting in
+# the lists of both (0, uncounted, when nothing was released, no urgent job may go, and ARGV[7] is 0)}.
 RELEASE = """
 local any, urgent, last = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local sources, light = tonumber(ARGV[4]), tonumber(ARGV[6])
 local heavy = {}
-for i = 7, #ARGV do heavy[ARGV[i]] = true end
+for i = 8, #ARGV do heavy[ARGV[i]] = true end
 if ARGV[5] == '1' then
   for p = 1, 10 do any = any - redis.call('LLEN', KEYS[p]) end
   if any < 0 then any = 0 end
@@ -336,7 +337,8 @@ for p = 0, 9 do
   end
 end
 local waiting = 0
-if urgent + light == 0 then return {released, 0} end  -- nothing beyond the room: no one asks
+-- counted only when something may have gone beyond the room: an idle worker's look stays two reads
+if released == 0 and urgent == 0 and ARGV[7] ~= '1' then return {0, 0} end
 for p = 0, 9 do
   waiting = waiting + redis.call('LLEN', KEYS[1 + p])
   if KEYS[11 + p] ~= KEYS[1 + p] then waiting = waiting + redis.call('LLEN', KEYS[11 + p]) end

@@ -69,15 +69,17 @@ class Release:
         *,
         watch: str | None = None,
         count_waiting: bool = True,
+        recount: bool = True,
     ) -> Released:
         """Release up to `any_class` staged jobs of `sources` (in order) into `dest`'s lists, less
         what waits there already (`count_waiting`), then up to `urgent` more of the urgent classes,
         then up to `light` more of the urgent classes of tenants not `heavy` (below their share).
-        `watch`: another queue whose urgent messages this worker takes too (the shared one)."""
+        `watch`: another queue whose urgent messages this worker takes too (the shared one). The lists'
+        messages are counted when something is released or may go beyond the room, or `recount`."""
         keys = [*priority_queues(dest), *priority_queues(watch or dest)]
         for source in sources:
             keys += [fair_key(source), *staged_sets(source)]
-        args = [any_class, urgent, LAST_URGENT, len(sources), int(count_waiting), light, *heavy]
+        args = [any_class, urgent, LAST_URGENT, len(sources), int(count_waiting), light, int(recount), *heavy]
         released, waiting = self._script(keys=keys, args=args)
         return Released(int(released), int(waiting))
 
@@ -93,6 +95,7 @@ class Intake:
         self.release = Release(broker)
         self.reserve = settings.reserved_slots()
         self.released = 0  # staged jobs this worker released (heartbeat, tests)
+        self._waiting = 0  # messages waiting in its lists at the last count
 
     def plan(self, room: int, running: int, taken: int, urgency: Urgency, exclusive: bool) -> tuple[int, int, int]:
         """(jobs of any class to release, urgent ones beyond the engine's room, urgent ones of tenants
@@ -130,8 +133,12 @@ class Intake:
         sources = self.sources if s.fair_queue else []
         extra = 0
         if any_class or urgent or light:
-            out = self.release(self.dest, sources, any_class, urgent, light, view.heavy_tenants, watch=watch)
+            recount = self._waiting > 0  # released beyond the room last time: until taken, they need the prefetch
+            out = self.release(
+                self.dest, sources, any_class, urgent, light, view.heavy_tenants, watch=watch, recount=recount
+            )
             self.released += out.jobs
+            self._waiting = out.waiting
             extra = min(out.waiting, urgent + light)
         # background work may not take the reserved slots; what went beyond the room may, up to the lookahead
         base = min(s.concurrency - self.reserve, running + room) if not exclusive else running
