@@ -38,7 +38,7 @@ import httpx
 import redis
 from weightq.cli.processes import ROOT, GatewayProcess, WorkerProcess
 from weightq.cli.redis_server import EmbeddedRedis
-from weightq.tasks.contract import job_key
+from weightq.tasks.contract import job_key, stream_key
 
 STEP_S = 0.02
 WORKER = {
@@ -54,7 +54,7 @@ def pct(xs: list[float], q: float) -> float:
     return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3) if xs else 0.0
 
 
-SUBMITTED: dict[str, float] = {}  # a light request's job id -> when its HTTP request was sent (unix s)
+SUBMITTED: dict[str, tuple[float, float]] = {}  # a light request's job id -> (sent, first token read), unix s
 
 
 async def first_token(http: httpx.AsyncClient, base: str, key: str, body: dict) -> float | None:
@@ -70,20 +70,26 @@ async def first_token(http: httpx.AsyncClient, base: str, key: str, body: dict) 
             if ttft is None and line.startswith("data: {"):
                 ttft = time.monotonic() - t0
                 if key == "light-key":
-                    SUBMITTED[json.loads(line[6:])["id"].split("-", 1)[1]] = sent
+                    SUBMITTED[json.loads(line[6:])["id"].split("-", 1)[1]] = (sent, time.time())
     return ttft
 
 
-def gateway_share(r: redis.Redis) -> list[float]:
-    """For each light request since the last call: seconds from its HTTP request to its job's record
-    (the gateway's part of its TTFT; the rest is the queue and the engine)."""
-    out = []
-    for job_id, sent in SUBMITTED.items():
+def light_split(r: redis.Redis) -> dict:
+    """Where each light request's TTFT went since the last call, p99 over the requests: the gateway
+    until its job was recorded (`queued_at`), then the queue and the engine until its first token was
+    written (the stream entry's time), then the token plane until the client read it."""
+    parts: dict[str, list[float]] = {"gateway": [], "queue_engine": [], "delivery": []}
+    for job_id, (sent, got) in SUBMITTED.items():
         queued = r.hget(job_key(job_id), "queued_at")
-        if queued is not None:
-            out.append(float(queued) - sent)
+        entries = r.xrange(stream_key(job_id), count=3)
+        tokens = [int(eid.split(b"-")[0]) / 1000 for eid, f in entries if f.get(b"type") == b"token"]
+        if queued is None or not tokens:
+            continue
+        parts["gateway"].append(float(queued) - sent)
+        parts["queue_engine"].append(tokens[0] - float(queued))
+        parts["delivery"].append(got - tokens[0])
     SUBMITTED.clear()
-    return out
+    return {f"light_{k}_p99_s": pct(v, 0.99) for k, v in parts.items()}
 
 
 def chat(i: int) -> dict:
@@ -191,9 +197,9 @@ def tenants(base: str, n: int, solo_s: float, r: redis.Redis) -> dict:
     light = asyncio.run(interactive(base, lambda: not proc.is_alive() or not results.empty()))
     took, failed = results.get()
     proc.join()
-    at_gateway = gateway_share(r)
+    split = light_split(r)
     return {"light_ttft_p50_s": pct(light, 0.5), "light_ttft_p99_s": pct(light, 0.99), "light_requests": len(light),
-            "light_gateway_p50_s": pct(at_gateway, 0.5), "light_gateway_p99_s": pct(at_gateway, 0.99),
+            **split,
             "flood_jobs_s": round(n / took, 2), "flood_failed": failed}  # fmt: skip
 
 
