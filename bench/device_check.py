@@ -6,6 +6,9 @@ A GPU is lent for minutes, by chance, so one prepared run must say everything an
 minutes on one H200 (model builds and warm-ups included); --out is rewritten after every phase, so a
 run cut off keeps what it measured. Phases, in order:
 
+- flash_reference: the pure-torch stand-in of flash-attn's kernel (engine/attention/flash_reference.py)
+  against SDPA, in seconds and on any machine, first: the flash path's indexing is checked before the
+  GPU's minutes go to the real kernel (tests/engine/test_cuda.py compares that kernel with the stand-in).
 - cuda_tests: `pytest tests/engine/test_cuda.py` in a subprocess (counts from its JUnit XML).
 - greedy: per-request `model.generate()` against our engine on every path the engine offers there:
   each `EngineConfig.attention` choice (read at run time; "flash" only where flash-attn imports) on
@@ -96,13 +99,27 @@ def transformers_pin():
 
 
 # ----- phase: the CUDA tests --------------------------------------------------------------------------
+def flash_reference_tests(timeout_s: float) -> dict:
+    """First, on any machine: the pure-torch stand-in of flash-attn's kernel against SDPA (seconds, no
+    model), so that a lent GPU spends its minutes on the real kernel, not on our indexing."""
+    return pytest_phase(["tests/engine/test_flash_reference.py", "-k", "stand_in or sees_nothing"], timeout_s)
+
+
 def cuda_tests(timeout_s: float) -> dict:
+    out = pytest_phase(["tests/engine/test_cuda.py"], timeout_s)
+    if not torch.cuda.is_available() and "result" not in out:
+        out["note"] = "skipped: no CUDA (each test needs a GPU)"
+    return out
+
+
+def pytest_phase(selection: list[str], timeout_s: float) -> dict:
+    """pytest on `selection` in a subprocess: counts from its JUnit XML."""
     if importlib.util.find_spec("pytest") is None:
         return {"result": "pytest not available"}
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
         pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-        cmd = [*pytest, f"--junitxml={xml}", "tests/engine/test_cuda.py"]
+        cmd = [*pytest, f"--junitxml={xml}", *selection]
         try:
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -124,8 +141,6 @@ def cuda_tests(timeout_s: float) -> dict:
     if failed:
         out["failed_tests"] = failed
         out["tail"] = tail
-    if not torch.cuda.is_available():
-        out["note"] = "skipped: no CUDA (each test needs a GPU)"
     return out
 
 
@@ -203,6 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     def left() -> float:
         return deadline - time.monotonic()
 
+    report.data["flash_reference"] = {"result": "running"}
+
+    def reference() -> None:
+        report.data["flash_reference"] = flash_reference_tests(max(min(120.0, left() - 300), 30.0))
+
+    run_phase(report, "flash_reference", reference, left())
     if args.skip_tests:
         report.data["cuda_tests"] = {"result": "skipped: --skip-tests"}
     else:
@@ -234,9 +255,10 @@ def finish(report: Report, code: int, hard: bool = False) -> int:
     bad_paths = [p for p in bad_paths if not v_identical(greedy[p])]
     if bad_paths:
         report.error("greedy", f"outputs differ from generate() on {bad_paths}")
-    tests = report.data.get("cuda_tests", {})
-    if tests.get("failed") or str(tests.get("result", "")).startswith("error"):
-        report.error("cuda_tests", "failures (see cuda_tests)")
+    for phase in ("flash_reference", "cuda_tests"):
+        tests = report.data.get(phase, {})
+        if tests.get("failed") or str(tests.get("result", "")).startswith("error"):
+            report.error(phase, f"failures (see {phase})")
     report.data["complete"] = not hard
     report.save()
     print(report.dumps(), flush=True)

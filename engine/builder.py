@@ -14,6 +14,7 @@ from weightq.batcher import DEFAULT_PRIORITY, Batcher, BatcherConfig, ConfigErro
 from weightq.batcher.sim.cost import StepCost
 
 from .attention import register
+from .attention.flash import BACKENDS as FLASH_BACKENDS
 from .attention.flash import available as flash_available
 from .attention.probe import check_backend, probe
 from .config import EngineConfig
@@ -155,15 +156,17 @@ def _paged_layout(cfg: EngineConfig, lm: LoadedModel, backend: str, attn_name: s
         raise ConfigError(str(e)) from None
     why_not = check_backend(calls, backend)
     if why_not:
-        if cfg.attention == "flash":
-            raise ConfigError(f"attention=flash cannot serve this model: {why_not}; use attention=sdpa (or auto)")
+        if cfg.attention in FLASH_BACKENDS:
+            raise ConfigError(
+                f"attention={cfg.attention} cannot serve this model: {why_not}; use attention=sdpa (or auto)"
+            )
         log.info("flash-attn cannot serve this model (%s): the paged SDPA backend serves it", why_not)
         backend = "sdpa"
         register(backend)
     c = calls[0]
     lm.geometry = KVGeometry(len(calls), c.kv_heads, c.k_dim, lm.dtype, c.v_dim)
     block = cfg.block_size or (256 if backend == "flash" else 16)
-    chunk = (cfg.max_prefill_weight or max_total) if backend == "flash" else 0
+    chunk = (cfg.max_prefill_weight or max_total) if backend in FLASH_BACKENDS else 0
     layout = KVLayout.build(lm.geometry, [c.window for c in calls], block, max_total, chunk, rings=cfg.window_rings)
     if layout.windows:
         log.info("attention kinds: %s", layout.describe())
@@ -178,6 +181,10 @@ def register_fn(backend: str):
         from .attention.flash import flash_paged_attention
 
         return flash_paged_attention
+    if backend == "flash_reference":
+        from .attention.flash import flash_reference_attention
+
+        return flash_reference_attention
     from .attention import paged_attention
 
     return paged_attention
@@ -188,7 +195,7 @@ def wants_compile(setting: str, device: torch.device, backend: str) -> bool:
     stays off when TORCH_COMPILE_DISABLE=1). flash-attn's kernel is already fused: never compiled."""
     if setting not in ("auto", "on", "off"):
         raise ConfigError(f"compile: must be auto, on or off (got {setting!r})")
-    if setting == "off" or backend == "flash":
+    if setting == "off" or backend in FLASH_BACKENDS:
         return False
     if setting == "on":
         return True

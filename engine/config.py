@@ -14,6 +14,9 @@ class EngineConfig:
         CUDA memory after loading).
     max_total_tokens / max_input_length: 0 means the model's context limit (and that minus one).
     block_size: 0 picks 16 for SDPA and 256 for flash-attn (its paged kernels need multiples of 256).
+    attention: "sdpa" (paged.py), "flash" (flash-attn's varlen kernel over the paged pool, CUDA), "auto"
+        (flash where it can run), or "flash_reference": the flash path with a pure-torch stand-in of
+        flash-attn's kernel (attention/flash_reference.py), which runs anywhere: for tests, never serving.
     runner: "paged" (KV blocks, packed steps) for decoder-only models on transformers' attention
         interface; "padded" (left-padded batch, the model's own cache) for everything else, e.g.
         T5/BART; "auto" picks per model. The padded runner's weight is rows x padded length, and its
@@ -38,7 +41,7 @@ class EngineConfig:
     model: str = "builtin:tiny"
     device: str = "auto"
     dtype: str = "auto"
-    attention: Literal["auto", "sdpa", "flash"] = "auto"
+    attention: Literal["auto", "sdpa", "flash", "flash_reference"] = "auto"
     runner: Literal["auto", "paged", "padded", "simulated"] = "auto"
     compile: Literal["auto", "on", "off"] = "auto"
     torch_threads: int = 0

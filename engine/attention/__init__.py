@@ -36,6 +36,10 @@ def register(backend: str = "sdpa") -> str:
         from .flash import flash_paged_attention
 
         AttentionInterface.register(ATTN_NAME, flash_paged_attention)
+    elif backend == "flash_reference":
+        from .flash import flash_reference_attention
+
+        AttentionInterface.register(ATTN_NAME, flash_reference_attention)
     else:
         AttentionInterface.register(ATTN_NAME, paged_attention)
     return ATTN_NAME

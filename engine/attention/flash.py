@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from ..runner.base import Work
 
 
+BACKENDS = ("flash", "flash_reference")  # the flash path: flash-attn's kernel, or its stand-in
+
+
 def available() -> bool:
     if not torch.cuda.is_available():
         return False
@@ -62,19 +65,33 @@ def add_varlen(meta: StepMeta, prefill: list[Work], decode: list[Work], bs: int,
     meta.flash_tables = tables
 
 
-def flash_paged_attention(
+def flash_paged_attention(module: torch.nn.Module, query, key, value, attention_mask, **kwargs):
+    """transformers' attention interface, on flash-attn's kernel (CUDA)."""
+    from flash_attn import flash_attn_varlen_func
+
+    return attend_varlen(flash_attn_varlen_func, module, query, key, value, **kwargs)
+
+
+def flash_reference_attention(module: torch.nn.Module, query, key, value, attention_mask, **kwargs):
+    """The same on the pure-torch stand-in of that kernel (flash_reference.py): the flash path on any
+    machine (`attention="flash_reference"`), for tests."""
+    from .flash_reference import flash_attn_varlen_func
+
+    return attend_varlen(flash_attn_varlen_func, module, query, key, value, **kwargs)
+
+
+def attend_varlen(
+    kernel,
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     weightq_meta: StepMeta | None = None,
     softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    from flash_attn import flash_attn_varlen_func
-
+    """Write the step's K/V, then one varlen call over the paged pool of the layer's kind."""
     meta = weightq_meta
     if meta is None or meta.cu_q is None:
         raise RuntimeError("flash paged attention called without varlen step metadata")
@@ -83,7 +100,7 @@ def flash_paged_attention(
     kc, vc = meta.cache.k[pool], meta.cache.v[pool]
     write_kv(kc, vc, km.slots[col], km.rows, key, value)
     window = (km.window - 1, 0) if km.window is not None else (-1, -1)
-    out = flash_attn_varlen_func(
+    out = kernel(
         query[0].transpose(0, 1),  # [T, H, D]
         kc,
         vc,

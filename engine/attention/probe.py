@@ -182,7 +182,7 @@ def probe(model: torch.nn.Module, attn_name: str, backend_fn) -> list[LayerCall]
 
 def check_backend(calls: list[LayerCall], backend: str) -> str | None:
     """Why `backend` cannot serve these layers (None: it can)."""
-    if backend != "flash":
+    if backend not in ("flash", "flash_reference"):
         return None
     if any(c.sinks for c in calls):
         return "attention sinks (s_aux): flash-attn has no sink logit"

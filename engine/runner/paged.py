@@ -13,6 +13,7 @@ import torch
 
 from ..attention import StepMeta, step_context
 from ..attention.decode_kernel import compile_paged_decode
+from ..attention.flash import BACKENDS as FLASH_BACKENDS
 from ..attention.flash import add_varlen
 from .base import HasTokens, PagedMemory, Work
 from .kv_cache import KVCache
@@ -55,7 +56,7 @@ class ModelRunner(PagedMemory):
         self.device = device
         self.model_s = 0.0  # time inside the model's forward (the rest of a step is overhead)
         ragged = self.decode_kernel is not None and self.decode_kernel.ragged
-        self._meta = MetaBuilder(cache.block_size, device, ragged, backend == "flash")
+        self._meta = MetaBuilder(cache.block_size, device, ragged, backend in FLASH_BACKENDS)
         # the last step's prompt positions whose logits were asked for (prompt log-probabilities):
         # (sequence, first position, logits [rows, vocab]); row i predicts token first + i + 1
         self.prompt_rows: list[tuple[HasTokens, int, torch.Tensor]] = []
@@ -96,7 +97,7 @@ class ModelRunner(PagedMemory):
             else:
                 kinds.append(meta_of.window(kind, k - layout.has_full, prefill, decode, q_starts, first))
         meta = StepMeta(self.cache, len(ids), kinds, layout.place, layout.masks, decode_kernel=self._decode_fn)
-        if self.backend == "flash":
+        if self.backend in FLASH_BACKENDS:
             add_varlen(meta, prefill, decode, self.cache.block_size, self.device)
         ids_t = torch.tensor(ids, device=self.device).unsqueeze(0)
         pos_t = torch.tensor(pos, device=self.device).unsqueeze(0)

@@ -124,3 +124,32 @@ def test_window_softcap_sink_and_mla_families_on_cuda(name, tmp_path, tiny_path)
         assert engine.backend == "sdpa"
     reqs = mixed_requests(12, seed=3, max_prompt=160, max_new=40)
     assert_greedy_equal(reference, reqs, engine.generate(reqs), tie=1e-3)
+
+
+@flash
+@pytest.mark.parametrize("window,softcap", [(-1, 0.0), (100, 0.0), (-1, 30.0)])
+def test_flash_attn_equals_its_stand_in_over_a_paged_pool(window, softcap):
+    """The kernel against engine/attention/flash_reference.py on the same paged inputs (block size
+    256, scattered pages, GQA, chunks over a prefix, decode rows): a difference here is the kernel's
+    or the stand-in's reading of flash-attn, never our indexing (tests/engine/test_flash_reference.py)."""
+    from flash_attn import flash_attn_varlen_func as kernel
+    from weightq.engine.attention.flash_reference import flash_attn_varlen_func as stand_in
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    heads, kv_heads, dim, block, pages = 8, 2, 64, 256, 24
+    lens = [(1, 1), (1, 300), (40, 40), (64, 700), (200, 260)]
+    kc = torch.randn(pages, block, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    vc = torch.randn(pages, block, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    order = torch.randperm(pages, device="cuda", generator=gen).tolist()
+    nb = max(-(-k // block) for _, k in lens)
+    table = []
+    for _, k_len in lens:
+        mine = [order.pop() for _ in range(-(-k_len // block))]
+        table.append(mine + [0] * (nb - len(mine)))
+    q = torch.randn(sum(a for a, _ in lens), heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cu_q = torch.tensor([0, *torch.tensor([a for a, _ in lens]).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *torch.tensor([b for _, b in lens]).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    args = (q, kc, vc, cu_q, cu_k, max(a for a, _ in lens), max(b for _, b in lens))
+    kw = dict(causal=True, window_size=(window, 0), softcap=softcap,
+              block_table=torch.tensor(table, dtype=torch.int32, device="cuda"))  # fmt: skip
+    torch.testing.assert_close(kernel(*args, **kw).float(), stand_in(*args, **kw).float(), atol=2e-2, rtol=2e-2)
