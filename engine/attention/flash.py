@@ -59,7 +59,12 @@ def add_varlen(meta: StepMeta, prefill: list[Work], decode: list[Work], bs: int,
         r = k - layout.has_full
         cols = []
         for g in range(kind.pages):
-            rows = [[w.seq.sched.rings[r][(j % kind.ring) * kind.pages + g] for j in range(nb)] for w in works]
+            # past a sequence's own blocks (its ring may hold fewer units than R): any page, the kernel
+            # reads none of them (found by the CPU stand-in: an IndexError on every mixed step)
+            rows = [
+                [w.seq.sched.rings[r][(j % kind.ring) * kind.pages + g] if j < -(-kl // bs) else 0 for j in range(nb)]
+                for w, kl in zip(works, k_lens, strict=True)
+            ]
             cols.append(torch.tensor(rows, dtype=torch.int32, device=device))
         tables.append(cols)
     meta.flash_tables = tables
