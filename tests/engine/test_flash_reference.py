@@ -15,7 +15,13 @@ import torch.nn.functional as F
 from weightq.engine import GenerationRequest, SamplingParams
 from weightq.engine.attention.flash_reference import flash_attn_varlen_func
 
-from tests.engine.test_model_families import engine_for, family_dirs, reference_of, tokenizer  # noqa: F401
+from tests.engine.test_model_families import (  # noqa: F401
+    engine_for,
+    family_dirs,
+    prefix_waves,
+    reference_of,
+    tokenizer,
+)  # fmt: skip
 from tests.reference import assert_greedy_equal, mixed_requests
 
 
@@ -99,19 +105,8 @@ def test_the_flash_path_keeps_prefix_hits_across_a_window_and_preemption_exact(f
     path = family_dirs("gemma3")
     reference = reference_of(path)
     engine = engine_for(path, attention="flash_reference", block_size=16, max_batch_weight=2048)
-    rng = random.Random(5)
-    shared = [rng.randrange(10, 1100) for _ in range(150)]
-    for wave in range(2):
-        reqs = [
-            GenerationRequest(
-                f"w{wave}-{i}",
-                prompt_token_ids=shared[:n] + [rng.randrange(10, 1100) for _ in range(9)],
-                params=SamplingParams(max_new_tokens=rng.randint(5, 15)),
-            )
-            for i, n in enumerate([150, 97, 150] if wave else [150, 60])
-        ]
-        assert_greedy_equal(reference, reqs, engine.generate(reqs))
-    assert engine.batcher.stats.cached_tokens > 2 * 48, "no hit past a window"
+    prefix_waves(engine, reference)
+    rng = random.Random(9)
     reqs = [
         GenerationRequest(f"p{i}", prompt_token_ids=[rng.randrange(10, 1100) for _ in range(n)],
                           params=SamplingParams(max_new_tokens=30))

@@ -78,10 +78,14 @@ def test_prefix_cache_hits_across_a_window_stay_exact(name, family_dirs):
     """Prompts sharing 150 tokens (three windows): later ones start from the cache, their windows' blocks
     copied into their rings, and still equal generate()."""
     path = family_dirs(name)
-    engine = engine_for(path, max_batch_weight=2048)
+    prefix_waves(engine_for(path, max_batch_weight=2048), reference_of(path))
+
+
+def prefix_waves(engine: Engine, reference) -> None:
+    """Two waves of prompts sharing 150 tokens (three windows), equal to generate(), with cache hits
+    past a window."""
     rng = random.Random(5)
     shared = [rng.randrange(10, 1100) for _ in range(150)]
-    reference = reference_of(path)
     for wave in range(2):
         reqs = [
             GenerationRequest(
@@ -92,8 +96,7 @@ def test_prefix_cache_hits_across_a_window_stay_exact(name, family_dirs):
             for i, n in enumerate([150, 97, 150] if wave else [150, 60])
         ]
         assert_greedy_equal(reference, reqs, engine.generate(reqs))
-    stats = engine.batcher.stats
-    assert stats.cached_tokens > 2 * 48, "no hit past a window"
+    assert engine.batcher.stats.cached_tokens > 2 * 48, "no hit past a window"
 
 
 def test_window_rings_survive_preemption_mid_prompt_and_mid_decode(family_dirs):
