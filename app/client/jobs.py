@@ -288,8 +288,9 @@ class Client:
                 for r in requests
             ]
         jobs = [r if isinstance(r, JobRequest) else parse_request(r) for r in requests]
-        if not checked:  # the gateway checks when it parses (Intake.parse)
-            check_servable(jobs, self.router.structured(), self.settings.queue)
+        if not checked and any(job.guided is not None for job in jobs):  # the gateway checks in Intake.parse
+            structured = retrying(self.router.structured, self.settings.redis_retry_s, pause_s=0.2)
+            check_servable(jobs, structured, self.settings.queue)
         if not checked:  # the gateway checks once per HTTP request, before its choices are parsed apart
             self.backpressure.admit(jobs)
         ids = [job.request_id or uuid.uuid4().hex for job in jobs]
