@@ -38,7 +38,7 @@ import httpx
 import redis
 from weightq.cli.processes import ROOT, GatewayProcess, WorkerProcess
 from weightq.cli.redis_server import EmbeddedRedis
-from weightq.tasks.contract import job_key, stream_key
+from weightq.tasks.contract import EntryType, decode_fields, job_key, stream_key
 
 STEP_S = 0.02
 WORKER = {
@@ -82,7 +82,9 @@ def light_split(r: redis.Redis) -> dict:
     for job_id, (sent, got) in SUBMITTED.items():
         queued = r.hget(job_key(job_id), "queued_at")
         entries = r.xrange(stream_key(job_id), count=3)
-        tokens = [int(eid.split(b"-")[0]) / 1000 for eid, f in entries if f.get(b"type") == b"token"]
+        tokens = [
+            int(eid.split(b"-")[0]) / 1000 for eid, f in entries if decode_fields(f).get("type") == EntryType.TOKEN
+        ]
         if queued is None or not tokens:
             continue
         parts["gateway"].append(float(queued) - sent)
