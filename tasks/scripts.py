@@ -292,7 +292,8 @@ return string.format('%.17g', s)
 # Up to ARGV[1] jobs of any class (what the worker can start now, less what already waits in its
 # lists), then up to ARGV[2] more of the urgent classes (priority index <= ARGV[3]: they preempt
 # background work in the engine), then up to ARGV[6] more of the urgent classes whose tenant is not
-# among ARGV[7..] (those holding an equal share of the engine or more): the batcher lets such a job in by
+# among ARGV[7..] (those holding an equal share of the engine or more), the first such among the next
+# LIGHT_SCAN of the class (past a heavy tenant's jobs at its head): the batcher lets such a job in by
 # preempting the heaviest tenant's newest requests. Each release moves v of its source and class to its
 # start tag (never back). Atomic: a job is never out of Redis. KEYS: the destination's 10 lists, the 10
 # lists whose messages count as waiting for this worker (the destination's, or the shared queue's too),
@@ -300,7 +301,9 @@ return string.format('%.17g', s)
 # sources, whether the destination's waiting messages count against `any`, light, whether to count the
 # waiting messages even if nothing is released, heavy tenants... Returns {released, messages waiting in
 # the lists of both (0, uncounted, when nothing was released, no urgent job may go, and ARGV[7] is 0)}.
+LIGHT_SCAN = 32  # staged jobs RELEASE looks through for a light tenant's, beyond the room
 RELEASE = """
+local LIGHT_SCAN = @LIGHT_SCAN@
 local any, urgent, last = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local sources, light = tonumber(ARGV[4]), tonumber(ARGV[6])
 local heavy = {}
@@ -319,19 +322,29 @@ for p = 0, 9 do
     local base = 20 + s * 11
     local fair, staged = KEYS[base + 1], KEYS[base + 2 + p]
     while staged_any[s] and (any > 0 or (p <= last and (urgent > 0 or light > 0))) do
-      local head = redis.call('ZRANGE', staged, 0, 0, 'WITHSCORES')
-      if #head == 0 then break end
-      local member = head[1]
+      local member, tag
+      if any > 0 or (p <= last and urgent > 0) then
+        local head = redis.call('ZRANGE', staged, 0, 0, 'WITHSCORES')
+        if #head == 0 then break end
+        member, tag = head[1], head[2]
+        if any > 0 then any = any - 1 else urgent = urgent - 1 end
+      else
+        -- the first job of a tenant not heavy among the next few: a heavy tenant's job at the head
+        -- (its tag ahead by one job) must not hold a light tenant's back until the engine has room
+        local ahead = redis.call('ZRANGE', staged, 0, LIGHT_SCAN - 1, 'WITHSCORES')
+        for j = 1, #ahead, 2 do
+          local cut = string.find(ahead[j], ' ', 1, true)
+          if not heavy[string.sub(ahead[j], 1, cut - 1)] then member, tag = ahead[j], ahead[j + 1]; break end
+        end
+        if member == nil then break end
+        light = light - 1
+      end
       local space = string.find(member, ' ', 1, true)
-      if any > 0 then any = any - 1
-      elseif p <= last and urgent > 0 then urgent = urgent - 1
-      elseif p <= last and not heavy[string.sub(member, 1, space - 1)] then light = light - 1
-      else break end
       redis.call('ZREM', staged, member)
       redis.call('HINCRBY', fair, 'n', -1)
       redis.call('LPUSH', KEYS[1 + p], string.sub(member, space + 1))
       local v = tonumber(redis.call('HGET', fair, 'v:' .. p) or '0')
-      if tonumber(head[2]) > v then redis.call('HSET', fair, 'v:' .. p, head[2]) end
+      if tonumber(tag) > v then redis.call('HSET', fair, 'v:' .. p, tag) end
       released = released + 1
     end
   end
@@ -345,3 +358,4 @@ for p = 0, 9 do
 end
 return {released, waiting}
 """
+RELEASE = RELEASE.replace("@LIGHT_SCAN@", str(LIGHT_SCAN))

@@ -71,6 +71,27 @@ def test_release_counts_what_waits_and_goes_beyond_the_room_only_for_the_urgent_
     assert LAST_URGENT == 4
 
 
+def test_a_light_tenants_job_goes_beyond_the_room_past_a_heavy_tenants_job_at_the_head(redis_url):
+    """Measured through the stack (bench.queueing): a flood's job at the head of the class (its tag one
+    job ahead of the light tenant's) held the light job back until the engine had room, seconds."""
+    r = redis.Redis.from_url(redis_url)
+    r.flushall()
+    release = Release(r)
+    stage(r, "q", "flood0", "A", 80)  # tag 0
+    stage(r, "q", "light0", "B", 30)  # tag 0 + ... behind flood0 in the set's order
+    for i in range(1, 5):
+        stage(r, "q", f"flood{i}", "A", 80)
+    r.zincrby(staged_sets("q")[4], 1, "B light0")  # strictly behind the head, whatever the tie-break
+    out = release("q", ["q"], 0, light=2, heavy=("A",))
+    assert (out.jobs, taken(r, "q")) == (1, ["light0"])  # B's only job; A's head stays staged
+    assert release("q", ["q"], 1).jobs == 1 and taken(r, "q") == ["flood0"]
+    for i in range(40):  # beyond the scan: a light job behind more than LIGHT_SCAN heavy ones waits for room
+        stage(r, "q", f"more{i}", "A", 80)
+    stage(r, "q", "late", "B", 30)
+    r.zincrby(staged_sets("q")[4], 10**6, "B late")
+    assert release("q", ["q"], 0, light=1, heavy=("A",)).jobs == 0
+
+
 def test_background_work_leaves_slots_and_urgent_jobs_go_beyond_the_room(redis_url):
     intake = Intake(redis.Redis.from_url(redis_url), Settings(concurrency=64), "w@t")
     assert intake.reserve == 8
