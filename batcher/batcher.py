@@ -59,6 +59,20 @@ class Batcher:
         self.ledger = self.paging.ledger  # the paged runner's pages (None for the padded weight)
         self.admission = Admission(self)
 
+    def pin(self, weight: int, what: str) -> None:
+        """Take `weight` out of the budget for good (a LoRA adapter's memory): refused while requests
+        run, or when one request of max_total_tokens would no longer fit."""
+        left = self.budget - weight
+        if self.running or self.waiting:
+            raise ValueError(f"{what}: the budget can change only while no request is queued")
+        if left < self.weight.seq(self.config.max_total_tokens):
+            raise ValueError(
+                f"{what} takes {weight} of max_batch_weight {self.budget}: one request of max_total_tokens "
+                f"{self.config.max_total_tokens} would no longer fit"
+            )
+        self.budget = left
+        self.headroom = int(self.config.priority_headroom * left)
+
     # ----- queue operations -------------------------------------------------------------------
     def check(self, req: Request) -> None:
         """Reject a request that could never run; the error names the field and the limit."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from .attention.flash import BACKENDS as FLASH_BACKENDS
 from .attention.flash import available as flash_available
 from .attention.probe import check_backend, probe
 from .config import EngineConfig
+from .lora import AdapterError, Resident, load_adapter, parse_modules
 from .model import LoadedModel, choose_runner, load_model, resolve_device
 from .runner.base import Runner
 from .runner.kv_cache import KVCache, KVGeometry, KVLayout, derive_capacity
@@ -117,6 +119,8 @@ def build(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
         raise ConfigError(str(e)) from None
     max_total = min(cfg.max_total_tokens or lm.context_limit, lm.context_limit)
     max_input = min(cfg.max_input_length or max_total - 1, max_total - 1)
+    if cfg.lora_modules and kind != "paged":
+        raise ConfigError(f"lora_modules: LoRA adapters are served on the paged runner only (this model runs {kind})")
     if kind == "simulated":
         return _build_simulated(cfg, lm, max_total, max_input)
     if kind == "padded":
@@ -139,12 +143,43 @@ def build(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
     )
     log.info("KV cache: %s", why)
     cache = KVCache(layout, pages, lm.device)
-    runner = ModelRunner(lm.model, cache, backend, lm.device, compiled=wants_compile(cfg.compile, lm.device, backend))
+    adapters = parse_lora(cfg.lora_modules)
+    lora = Resident(lm.model) if adapters else None  # before the model is compiled: its layers change
+    compiled = wants_compile(cfg.compile, lm.device, backend)
+    runner = ModelRunner(lm.model, cache, backend, lm.device, compiled=compiled, lora=lora)
     batcher = make_batcher(
         cfg, pages * layout.block_size, max_total, f"KV cache: {why}", block_size=layout.block_size, layout=layout
     )
     runner.ledger = batcher.ledger
+    if lora is not None:
+        load_adapters(cfg, lm, lora, adapters, batcher, layout.page_bytes / layout.block_size)
     return EngineParts(backend, lm, runner, batcher, why, max_input)
+
+
+def parse_lora(spec: str) -> dict[str, str]:
+    try:
+        return parse_modules(spec)
+    except AdapterError as e:
+        raise ConfigError(str(e)) from None
+
+
+def load_adapters(
+    cfg: EngineConfig, lm: LoadedModel, lora: Resident, adapters: dict[str, str], batcher: Batcher, unit_bytes: float
+) -> None:
+    """Read every configured adapter and take its bytes out of the batcher's budget, in weight units
+    (tokens of the whole model's KV): what the adapters hold is memory no request's KV can use."""
+    dtype = next(lm.model.parameters()).dtype
+    for name, path in adapters.items():
+        try:
+            adapter = load_adapter(
+                name, path, lora.targets, device=lm.device, dtype=dtype, allow_download=cfg.allow_download
+            )
+            batcher.pin(math.ceil(adapter.nbytes / unit_bytes), f"LoRA adapter {name!r} ({adapter.nbytes} B)")
+        except (AdapterError, ValueError) as e:
+            raise ConfigError(str(e)) from None
+        lora.add(adapter)
+        log.info("LoRA adapter %s: rank %d, %d modules, %d B, from %s", name, adapter.rank, len(adapter.weights),
+                 adapter.nbytes, path)  # fmt: skip
 
 
 def _paged_layout(cfg: EngineConfig, lm: LoadedModel, backend: str, attn_name: str, max_total: int):

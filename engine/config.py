@@ -71,3 +71,6 @@ class EngineConfig:
     grammar_timeout_s: float = 10.0
     grammar_memory_mb: int = 2048
     check_invariants: bool = False  # tests: verify the KV pool and the budget after every step
+    # LoRA adapters served beside the base model, "name=path-or-hub-id,..." (vLLM's --lora-modules): a
+    # request names one as its model; their bytes come out of the KV budget (engine/lora/)
+    lora_modules: str = ""

@@ -87,6 +87,8 @@ class GenerationRequest:
     # unix seconds it was submitted (a job's queue time): its place among the waiting requests counts from
     # then, not from when the engine received it, which for a batch of messages is thread order
     submitted_s: float | None = None
+    # the LoRA adapter it runs with ("" the base model): one of the engine's (EngineConfig.lora_modules)
+    adapter: str = ""
 
 
 @dataclass(frozen=True, slots=True)

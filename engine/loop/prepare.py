@@ -47,6 +47,10 @@ class Preparer:
             raise InvalidRequest("logit_bias", f"every key must be a token id in [0, {self.logits_width})")
         if len(ids) > self.max_input_length:
             raise InvalidRequest("prompt", f"{len(ids)} tokens exceeds max_input_length {self.max_input_length}")
+        lora = self.runner.lora
+        if request.adapter and (lora is None or request.adapter not in lora.adapters):
+            served = ", ".join(sorted(lora.adapters)) if lora is not None else "none"
+            raise InvalidRequest("model", f"adapter {request.adapter[:64]!r} is not loaded here (adapters: {served})")
         batcher = self.batcher
         # An encoder-decoder's input is its encoder's: padded on its own, the batcher's fixed part.
         fixed = len(ids) if self.lm.seq2seq else 0
@@ -69,7 +73,9 @@ class Preparer:
         ledger = batcher.ledger
         if ledger is not None and ledger.caching and params.prompt_logprobs is None:
             # prompt log-probabilities need every prompt position's logits: computed, never cached
-            sched.prefix = chain_keys(ids, ledger.block_size, request.cache_salt.encode())
+            # an adapter's KV differs from the base's: its blocks are its own
+            salt = request.cache_salt + ("\0" + request.adapter if request.adapter else "")
+            sched.prefix = chain_keys(ids, ledger.block_size, salt.encode())
         batcher.check(sched)
         seq = Sequence(request, sched, ids, len(ids), IncrementalDetokenizer(tokenizer), StopMatcher(params.stop), now)
         if params.guided is not None:

@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 from weightq.batcher import BlockLedger, Request
 
+from ..lora import Resident
 from .kv_cache import KVCache
 
 
@@ -45,6 +46,7 @@ class Runner(Protocol):
     asynchronous: bool
     # it can return the logits of prompt positions (prompt log-probabilities): see ModelRunner.prompt_rows
     prompt_logprobs: bool
+    lora: Resident | None  # the LoRA adapters it serves (None: adapters are not enabled)
 
     def synchronize(self) -> None:
         """Wait until the last forward's logits are ready (and count its device time in model_s)."""
@@ -74,6 +76,7 @@ class PagedMemory:
 
     cache: KVCache
     ledger: BlockLedger | None = None  # the batcher's, set when the engine is built (memory counters)
+    lora: Resident | None = None  # the LoRA adapters it serves (builder.py: EngineConfig.lora_modules)
     asynchronous = False
     prompt_logprobs = False
 

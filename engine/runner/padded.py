@@ -29,6 +29,7 @@ class PaddedRunner:
     works, prefill first; release(seq) when a sequence leaves."""
 
     compiled = False  # the model's own cache: not compiled (see EngineConfig.compile)
+    lora = None  # adapters are served on the paged runner only (builder.py refuses them here)
     asynchronous = False
 
     def synchronize(self) -> None:

@@ -15,6 +15,7 @@ from ..attention import StepMeta, step_context
 from ..attention.decode_kernel import compile_paged_decode
 from ..attention.flash import BACKENDS as FLASH_BACKENDS
 from ..attention.flash import add_varlen
+from ..lora import Resident, lora_context
 from .base import HasTokens, PagedMemory, Work
 from .kv_cache import KVCache
 from .step_meta import MetaBuilder
@@ -32,8 +33,11 @@ class ModelRunner(PagedMemory):
         device: torch.device,
         *,
         compiled: bool = False,
+        lora: Resident | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora  # installed in the model before it is compiled
+        self._segments: list[tuple[str, torch.Tensor]] = []
         self.compiled = compiled
         self.asynchronous = device.type == "cuda"  # kernels queue; the sampler's read waits for them
         self._timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
@@ -102,7 +106,22 @@ class ModelRunner(PagedMemory):
         ids_t = torch.tensor(ids, device=self.device).unsqueeze(0)
         pos_t = torch.tensor(pos, device=self.device).unsqueeze(0)
         keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
+        if self.lora is not None:
+            self._segments = self._adapter_rows(prefill, decode, q_starts, first)
         return ids_t, pos_t, keep_t, meta
+
+    def _adapter_rows(
+        self, prefill: list[Work], decode: list[Work], q_starts: list[int], first: int
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Each adapter's rows of the packed step (the base's rows are left out)."""
+        rows: dict[str, list[int]] = {}
+        for w, q_start in zip(prefill, q_starts, strict=True):
+            if name := w.seq.request.adapter:
+                rows.setdefault(name, []).extend(range(q_start, q_start + w.n))
+        for i, w in enumerate(decode):
+            if name := w.seq.request.adapter:
+                rows.setdefault(name, []).append(first + i)
+        return [(name, torch.tensor(r, dtype=torch.long, device=self.device)) for name, r in rows.items()]
 
     @torch.inference_mode()
     def forward(self, prefill: list[Work], decode: list[Work]) -> torch.Tensor:
@@ -120,10 +139,13 @@ class ModelRunner(PagedMemory):
             keep = keep if len(keep) else keep.new_tensor([ids.shape[1] - 1])
             for t, dim in ((ids, 1), (pos, 1), (keep, 0)):
                 torch._dynamo.maybe_mark_dynamic(t, dim)
-            with step_context(meta):
+            with step_context(meta), lora_context(self.lora, self._segments):
                 out = self._compiled_model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep)
         else:
-            out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep, weightq_meta=meta)
+            with lora_context(self.lora, self._segments):
+                out = self.model(
+                    input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep, weightq_meta=meta
+                )
         logits = out.logits[0, :rows].float()
         self.prompt_rows, at = [], rows
         for seq, first, n in self._prompt_keep:

@@ -157,3 +157,12 @@ def test_eager_engine_under_the_test_settings(tiny_loaded):
     assert not engine.runner.compiled and engine.warmup_s == 0.0
     res = engine.generate([GenerationRequest("a", prompt_token_ids=[5, 6, 7], params=SamplingParams(max_new_tokens=3))])
     assert len(res[0].token_ids) == 3
+
+
+@compiling
+def test_adapters_mixed_in_a_compiled_step_equal_peft_merged(tiny_path, tmp_path):
+    """The LoRA delta is an opaque op in the compiled graph (engine/lora/layers.py): a step's mix of
+    adapters changes no graph, and the outputs equal PEFT's merged models."""
+    from tests.engine.test_lora import check_mixed_batch, make_adapters
+
+    check_mixed_batch(tiny_path, make_adapters(tiny_path, tmp_path), "on")

@@ -1,0 +1,7 @@
+"""Multi-LoRA serving: PEFT adapters read and checked (adapter.py), applied per request inside one
+mixed forward pass (layers.py)."""
+
+from .adapter import AdapterError, LoraAdapter, load_adapter, parse_modules
+from .layers import LoraLinear, Resident, lora_context
+
+__all__ = ["AdapterError", "LoraAdapter", "LoraLinear", "Resident", "load_adapter", "lora_context", "parse_modules"]

@@ -1,0 +1,163 @@
+"""Multi-LoRA on the paged runner: PEFT adapters of any rank on the attention and MLP projections,
+mixed with the base model in the same steps (chunked prefill, preemption), each request token for
+token equal to generate() on PEFT's merged model of its adapter; their memory out of the budget; and
+what cannot be served, refused by name."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM
+from weightq.batcher import ConfigError
+from weightq.engine import Engine, EngineConfig
+from weightq.engine.lora import parse_modules
+
+from tests.reference import assert_greedy_equal, mixed_requests
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(base: str, out, rank: int, seed: int, targets=TARGETS, **extra) -> str:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False, **extra)
+    peft = get_peft_model(model, cfg)
+    with torch.no_grad():  # B non-zero and large enough that every adapter changes the greedy path
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.2)
+    peft.save_pretrained(str(out))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_path, tmp_path_factory):
+    return make_adapters(tiny_path, tmp_path_factory.mktemp("lora"))
+
+
+def make_adapters(tiny_path, root) -> dict[str, str]:
+    """Three adapters: rank 4 on every projection, rank 16 on three, rank 8 with rsLoRA scaling."""
+    return {
+        "ada": make_adapter(tiny_path, root / "ada", 4, 1),
+        "bob": make_adapter(tiny_path, root / "bob", 16, 2, targets=["q_proj", "v_proj", "down_proj"]),
+        "rs": make_adapter(tiny_path, root / "rs", 8, 3, use_rslora=True),
+    }
+
+
+def merged(tiny_path: str, path: str):
+    base = AutoModelForCausalLM.from_pretrained(tiny_path, attn_implementation="eager")
+    return PeftModel.from_pretrained(base, path).merge_and_unload().eval()
+
+
+def spec(adapters: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in adapters.items())
+
+
+def check_mixed_batch(tiny_path, adapters: dict[str, str], compile_: str) -> None:
+    """Base and three adapters in the same steps, adapters' requests sent back to the queue and
+    prefilled again."""
+    engine = Engine(
+        EngineConfig(
+            model=str(tiny_path),
+            device="cpu",
+            compile=compile_,
+            lora_modules=spec(adapters),
+            max_batch_weight=900,
+            max_total_tokens=320,
+            max_prefill_weight=64,
+            check_invariants=True,
+        )
+    )
+    names = ["", "ada", "bob", "rs"]
+    reqs = mixed_requests(12, seed=5, max_prompt=120, max_new=48)
+    reqs = [replace(r, adapter=names[i % 4]) for i, r in enumerate(reqs)]
+    handles = [engine.submit(r) for r in reqs]
+    requeued: set[str] = set()
+    while any(h.final is None for h in handles):  # adapters' requests sent back mid-prompt and mid-decode
+        engine.step()
+        for r in list(engine.batcher.running.values()):
+            prompt = next(q for q in reqs if q.id == r.id)
+            mid_prompt = 0 < r.prefilled < r.input_len and r.input_len > 64
+            if prompt.adapter and r.id not in requeued and len(requeued) < 4 and (mid_prompt or r.generated > 5):
+                engine.batcher.requeue(r.id)
+                requeued.add(r.id)
+    results = [h.final for h in handles]
+    assert all(r.error is None for r in results), [r.error for r in results]
+    assert len(requeued) == 4
+    base = AutoModelForCausalLM.from_pretrained(tiny_path, attn_implementation="eager").eval()
+    for name in names:
+        mine = [(q, r) for q, r in zip(reqs, results, strict=True) if q.adapter == name]
+        model = merged(tiny_path, adapters[name]) if name else base
+        assert_greedy_equal(model, [q for q, _ in mine], [r for _, r in mine])
+    # the adapters change the output: the same prompt differs between base and adapters
+    probe = [replace(reqs[0], id=f"p{n or 'base'}", adapter=n) for n in names]
+    outs = [tuple(r.token_ids) for r in engine.generate(probe)]
+    assert len(set(outs)) == len(outs)
+
+
+def test_adapters_mixed_with_the_base_in_one_batch_equal_peft_merged(tiny_path, adapters):
+    check_mixed_batch(tiny_path, adapters, "off")  # compiled: tests/engine/test_compile.py
+
+
+def test_adapter_memory_comes_out_of_the_budget_and_unknown_adapters_are_refused(tiny_path, adapters):
+    plain = Engine(
+        EngineConfig(model=str(tiny_path), device="cpu", compile="off", max_batch_weight=2048, max_total_tokens=1024)
+    )
+    lora = Engine(
+        EngineConfig(
+            model=str(tiny_path),
+            device="cpu",
+            compile="off",
+            max_batch_weight=2048,
+            max_total_tokens=1024,
+            lora_modules=spec(adapters),
+        )
+    )
+    resident = lora.runner.lora
+    unit = lora.runner.cache.layout.page_bytes / lora.runner.cache.layout.block_size
+    taken = sum(-(-a.nbytes // unit) for a in resident.adapters.values())
+    assert taken > 0 and lora.batcher.budget == plain.batcher.budget - taken
+    assert resident.adapters["bob"].rank == 16 and set(resident.adapters["bob"].weights) == {
+        f"model.layers.{i}.{m}" for i in range(plain.lm.model.config.num_hidden_layers)
+        for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
+    }  # fmt: skip
+    req = mixed_requests(1, seed=1, max_prompt=60, max_new=48)[0]
+    refused = lora.generate([replace(req, adapter="nope")])[0]  # an error event, naming the field
+    assert refused.error.startswith("model: adapter 'nope' is not loaded here (adapters: ada, bob, rs)")
+    assert "model: adapter 'ada' is not loaded here" in plain.generate([replace(req, adapter="ada")])[0].error
+
+
+def test_what_cannot_be_served_is_refused_at_load(tiny_path, adapters, tmp_path):
+    with pytest.raises(ConfigError, match="must be name=path"):
+        parse_modules_checked("ada")
+    with pytest.raises(ConfigError, match="named twice"):
+        parse_modules_checked(f"a={adapters['ada']},a={adapters['bob']}")
+    cfg = dict(model=str(tiny_path), device="cpu", compile="off", max_batch_weight=2048, max_total_tokens=1024)
+    with pytest.raises(ConfigError, match=r"no readable adapter_config\.json"):
+        Engine(EngineConfig(**cfg, lora_modules=f"x={tmp_path}"))
+    dora = make_adapter(tiny_path, tmp_path / "dora", 4, 4, use_dora=True)
+    with pytest.raises(ConfigError, match=r"'dora'.*use_dora=True is not served"):
+        Engine(EngineConfig(**cfg, lora_modules=f"dora={dora}"))
+    bad = tmp_path / "shape"
+    bad.mkdir()
+    conf = json.loads((tmp_path / "dora" / "adapter_config.json").read_text()) | {"use_dora": False, "r": 3}
+    (bad / "adapter_config.json").write_text(json.dumps(conf))
+    (bad / "adapter_model.safetensors").write_bytes((tmp_path / "dora" / "adapter_model.safetensors").read_bytes())
+    with pytest.raises(ConfigError, match="'shape'"):
+        Engine(EngineConfig(**cfg, lora_modules=f"shape={bad}"))
+    with pytest.raises(ConfigError, match="would no longer fit"):  # adapters bigger than the whole budget
+        Engine(EngineConfig(**cfg | {"max_batch_weight": 300, "max_total_tokens": 256},
+                            lora_modules=spec(adapters)))  # fmt: skip
+    with pytest.raises(ConfigError, match="paged runner only"):
+        Engine(EngineConfig(**cfg, runner="padded", lora_modules=spec(adapters)))
+
+
+def parse_modules_checked(text: str):
+    from weightq.engine.builder import parse_lora
+
+    assert parse_modules("a=/x, b=y") == {"a": "/x", "b": "y"}
+    return parse_lora(text)
