@@ -185,6 +185,15 @@ def load_model(
             vocab,
             tokenizer.eos_token_id,
         )
+    if not eos - set(outside) and tokenizer.eos_token_id is not None:
+        # vLLM stops at the tokenizer's EOS too; generate() with no EOS in the model's config never stops,
+        # so a comparison with it differs where the output reaches this id (not a numerical divergence)
+        log.warning(
+            "%s: the model's config names no EOS in its vocabulary: generation stops at the tokenizer's EOS (%s), "
+            "where transformers' generate() would not stop (ignore_eos=True runs on)",
+            spec,
+            tokenizer.eos_token_id,
+        )
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     geometry = geometry_of(config, dt)

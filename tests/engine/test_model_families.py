@@ -15,6 +15,7 @@ from weightq.batcher import ConfigError
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 
 from tests.families import FAMILIES, REFUSED, WINDOWED, build
+from tests.families import SMALL as FAMILY_SMALL
 from tests.reference import assert_greedy_equal, assert_logprobs_match, mixed_requests
 
 
@@ -199,3 +200,32 @@ def test_a_step_that_fails_mid_forward_keeps_every_ring_exact(family_dirs):
     assert_greedy_equal(reference, reqs, [h.final for h in handles])
     for req, h in zip(reqs, handles, strict=True):
         assert_logprobs_match(reference, req, h.final)
+
+
+def test_a_model_config_without_eos_stops_at_the_tokenizers_and_the_comparison_says_so(tmp_path, tokenizer, caplog):
+    """Issue 42's OLMo 2 "divergence" (a 5-token prompt leaving generate() at token 38 with a 0.13 gap):
+    the model's config named no EOS, so generate() never stopped, while the engine stopped at the
+    tokenizer's EOS (id 2), as vLLM does; both outputs were equal up to it, and the gap printed was the
+    reference's margin one token past it. The engine now says so at load; the comparison names it; with
+    ignore_eos=True the outputs are identical (the same seeds as the report's kind of run)."""
+    import transformers as T
+
+    cfg = T.Olmo2Config(vocab_size=len(tokenizer), **FAMILY_SMALL)
+    cfg.eos_token_id = None
+    torch.manual_seed(29)  # a weight seed whose greedy path emits id 2 (16 of the first 25 do)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with caplog.at_level("WARNING", logger="weightq.engine.model.loading"):
+        engine = engine_for(str(tmp_path))
+    assert any("names no EOS" in r.getMessage() for r in caplog.records)
+    reqs = mixed_requests(12, seed=7, max_prompt=120, max_new=40)
+    reference = reference_of(str(tmp_path)).eval()
+    results = engine.generate(reqs)
+    stopped = [q for q, r in zip(reqs, results, strict=True) if r.reason == "eos"]
+    assert stopped, "no request reached the tokenizer's EOS: pick another weight seed"
+    with pytest.raises(AssertionError, match="stopped at EOS id 2"):
+        assert_greedy_equal(reference, reqs, results)
+    on = [replace(r, params=replace(r.params, ignore_eos=True)) for r in reqs]
+    assert_greedy_equal(reference, on, engine.generate(on))
