@@ -56,6 +56,9 @@ class Settings(BaseSettings):
     # The prefix cache is per tenant (an API key's jobs only find their own prompts' blocks, and
     # cached_tokens says nothing of others'); on: all tenants share it (one trusted organisation).
     prefix_cache_shared: bool = False
+    # LoRA adapters of the model, "name=path-or-hub-id,..." (vLLM's --lora-modules): a request's `model`
+    # naming one runs with it, mixed with the base model's in the same steps (engine/lora/)
+    lora_modules: str = ""
     # Structured output: a grammar that takes longer to compile (or more memory) is refused. Trial
     # compiles run in a helper process that is killed past the deadline (engine/sampling/grammar_trial.py).
     grammar_compile_timeout_s: float = 10.0

@@ -32,7 +32,7 @@ def route_key(job: JobRequest, prefix_chars: int, shared_cache: bool = False) ->
         text = "".join(f"<{m.role}>{m.content}" for m in job.messages or ())
         head = "m:" + text[:prefix_chars]
     tenant = "" if shared_cache else job.tenant
-    return f"{tenant}\x00{head}".encode()
+    return f"{tenant}\x00{job.adapter}\x00{head}".encode()
 
 
 def _weight(key: bytes, worker: str) -> int:

@@ -78,6 +78,7 @@ class JobRequest:
     # unix seconds: a job that has not started by then ends with a "deadline" error and never runs late
     # (the client's `expires`, Celery's word, sets it; a submission that cannot start in time is refused)
     deadline: float | None = None
+    adapter: str = ""  # the LoRA adapter it runs with (a request's `model` naming one); "": the base model
 
     def __post_init__(self) -> None:
         self._check_prompt()
@@ -89,6 +90,8 @@ class JobRequest:
             not isinstance(self.request_id, str) or not ID_PATTERN.match(self.request_id)
         ):
             raise RequestError("request_id", "must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")
+        if not isinstance(self.adapter, str) or (self.adapter and not ID_PATTERN.match(self.adapter)):
+            raise RequestError("adapter", "must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")
         if not isinstance(self.tenant, str) or not ID_PATTERN.match(self.tenant):
             raise RequestError("tenant", "must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")
         if self.deadline is not None:

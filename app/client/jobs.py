@@ -57,11 +57,19 @@ from .routing import Router
 __all__ = ["Client", "Job", "JobFailed", "StreamEvent", "submit"]
 
 
-def check_servable(jobs: Sequence[JobRequest], structured: bool | None, queue: str) -> None:
+def check_servable(
+    jobs: Sequence[JobRequest], structured: bool | None, queue: str, adapters: set[str] | None = None
+) -> None:
     """Refuse, before anything is written, structured output when the live workers of `queue` have no
-    grammar engine: each would fail the job after it waited its turn. None: no worker live (jobs wait)."""
+    grammar engine, and a LoRA adapter none of them holds: each would fail the job after it waited its
+    turn. None: no worker live (jobs wait)."""
     if structured is False and any(job.guided is not None for job in jobs):
         raise RequestError("guided", NO_STRUCTURED.format(queue=queue))
+    if adapters is not None:
+        for job in jobs:
+            if job.adapter and job.adapter not in adapters:
+                served = ", ".join(sorted(adapters)) or "none"
+                raise RequestError("model", f"model {job.adapter!r} is not served here (LoRA adapters: {served})")
 
 
 NO_STRUCTURED = (
@@ -288,9 +296,10 @@ class Client:
                 for r in requests
             ]
         jobs = [r if isinstance(r, JobRequest) else parse_request(r) for r in requests]
-        if not checked and any(job.guided is not None for job in jobs):  # the gateway checks in Intake.parse
+        if not checked and any(job.guided is not None or job.adapter for job in jobs):  # the gateway: Intake.parse
             structured = retrying(self.router.structured, self.settings.redis_retry_s, pause_s=0.2)
-            check_servable(jobs, structured, self.settings.queue)
+            adapters = self.router.adapters() if any(job.adapter for job in jobs) else None
+            check_servable(jobs, structured, self.settings.queue, adapters)
         if not checked:  # the gateway checks once per HTTP request, before its choices are parsed apart
             self.backpressure.admit(jobs)
         ids = [job.request_id or uuid.uuid4().hex for job in jobs]

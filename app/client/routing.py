@@ -30,7 +30,9 @@ class Router:
         self.redis, self.broker, self.settings = streams, broker, settings  # heartbeats; the queues
         self._workers: dict[str, str] = {}  # worker name -> its own queue
         self._structured: bool | None = None  # whether a live worker of QUEUE serves `guided` (None: none live)
+        self._adapters: dict[str, set[str]] = {}  # LoRA adapter -> the live workers of QUEUE that hold it
         self._read_at = float("-inf")
+        self._live = False
 
     def workers(self) -> dict[str, str]:
         """The live workers of this QUEUE that have an own queue, by name (cached for REFRESH_S)."""
@@ -41,6 +43,11 @@ class Router:
             mine = {name: s for name, s in live.items() if s.get("queue") == queue}
             self._workers = {name: s["own_queue"] for name, s in mine.items() if s.get("own_queue")}
             self._structured = any(s.get("structured", True) for s in mine.values()) if mine else None
+            self._adapters = {}
+            for name, s in mine.items():
+                for adapter in s.get("adapters", ()):
+                    self._adapters.setdefault(adapter, set()).add(name)
+            self._live = bool(mine)
             self._read_at = now
         return self._workers
 
@@ -49,6 +56,11 @@ class Router:
         worker is live (a job then waits for one, as any job does)."""
         self.workers()
         return self._structured
+
+    def adapters(self) -> set[str] | None:
+        """The LoRA adapters the live workers of this QUEUE serve (None: no worker is live)."""
+        self.workers()
+        return set(self._adapters) if self._live else None
 
     def queues(self, jobs: Sequence[JobRequest]) -> list[str]:
         """The queue of each job, in order."""
@@ -63,7 +75,8 @@ class Router:
         backlog = dict(zip(names, waiting_counts(self.broker, [workers[n] for n in names]), strict=True))
         out = []
         for job in jobs:
-            best = rendezvous(route_key(job, s.affinity_prefix_chars, s.prefix_cache_shared), names)[0]
+            holders = [n for n in names if n in self._adapters.get(job.adapter, ())] if job.adapter else names
+            best = rendezvous(route_key(job, s.affinity_prefix_chars, s.prefix_cache_shared), holders or names)[0]
             if backlog[best] < s.affinity_backlog:
                 backlog[best] += 1
                 out.append(workers[best])

@@ -103,7 +103,7 @@ class Intake:
             jobs, n = asked()
             check_request_size(jobs, n, prompt_field)
             parsed = [parse_request(job | extra, door, max_total_tokens=limit) for job in jobs]
-            check_servable(parsed, self.serving.structured(), self.settings.queue)
+            check_servable(parsed, self.serving.structured(), self.settings.queue, self.serving.adapters())
             seeded = lambda job, i: job.with_seed(job.seed + i) if i and job.seed is not None else job  # noqa: E731
             return [seeded(job, i) for job in parsed for i in range(n)]
 

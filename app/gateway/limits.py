@@ -84,6 +84,7 @@ class ServingLimits:
         self._workers = workers
         self._limit, self._at = 0, float("-inf")
         self._structured: bool | None = None
+        self._adapters: set[str] | None = None
 
     def max_total_tokens(self) -> int:
         """The smallest prompt + output limit among live workers; 0 when none is known."""
@@ -93,6 +94,7 @@ class ServingLimits:
             limits = [w.get("max_total_tokens") for w in workers]
             self._limit = min((n for n in limits if isinstance(n, int) and n > 0), default=0)
             self._structured = any(w.get("structured", True) for w in workers) if workers else None
+            self._adapters = {a for w in workers for a in w.get("adapters", ())} if workers else None
             self._at = now
         return self._limit
 
@@ -100,3 +102,8 @@ class ServingLimits:
         """Whether a live worker can serve structured output (`guided`); None when none is known."""
         self.max_total_tokens()
         return self._structured
+
+    def adapters(self) -> set[str] | None:
+        """The LoRA adapters live workers hold (their heartbeats); None when no worker is known."""
+        self.max_total_tokens()
+        return self._adapters

@@ -11,7 +11,7 @@ import json
 import time
 from json.encoder import encode_basestring_ascii
 
-from weightq.tasks.limits import MAX_LOGPROBS
+from weightq.tasks.limits import ID_PATTERN, MAX_LOGPROBS
 from weightq.tasks.request import RequestError, field_name
 
 # Accepted and ignored: they change nothing about the generation.
@@ -45,7 +45,9 @@ def _common(body: dict, fields: set[str], served_model: str) -> dict:
     if unknown:
         raise RequestError(field_name(unknown[0]), "unknown field")
     model = body.get("model")
-    if model is not None and model != served_model:
+    # another name is a LoRA adapter of the base model: the workers' heartbeats say which they hold
+    # (client: check_servable), and the job runs with it
+    if model is not None and model != served_model and (not isinstance(model, str) or not ID_PATTERN.match(model)):
         raise RequestError("model", f"model {str(model)[:64]!r} is not served here (serving {served_model!r})")
     choices(body)
     if not isinstance(body.get("stream", False), bool | None):
@@ -59,6 +61,8 @@ def _common(body: dict, fields: set[str], served_model: str) -> dict:
             job[name] = body[name]
     if (guided := _response_format(body.get("response_format"))) is not None:
         job["guided"] = guided
+    if model is not None and model != served_model:
+        job["adapter"] = model
     return job
 
 

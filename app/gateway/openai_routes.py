@@ -31,10 +31,11 @@ def error_chunk(f: dict) -> dict:
 def register(app: FastAPI, gw: Gateway) -> None:
     @app.get("/v1/models")
     def models() -> dict:
-        return {
-            "object": "list",
-            "data": [{"id": gw.model, "object": "model", "created": 0, "owned_by": "weightq"}],
-        }
+        """The base model and the LoRA adapters live workers hold (their `parent`: the base), as vLLM lists them."""
+        base = {"id": gw.model, "object": "model", "created": 0, "owned_by": "weightq"}
+        base |= {"root": gw.model, "parent": None}
+        adapters = sorted(gw.serving.adapters() or ())
+        return {"object": "list", "data": [base, *({**base, "id": a, "root": a, "parent": gw.model} for a in adapters)]}
 
     async def completions(request: Request, chat: bool) -> Response:
         body = await gw.intake.body(request)
@@ -43,13 +44,14 @@ def register(app: FastAPI, gw: Gateway) -> None:
         jobs = await gw.intake.parse(request, lambda: asked(body, gw.model), door, prompt)
         if len(jobs) > 1:
             return await several(request, body, jobs, chat)
+        model = jobs[0].adapter or gw.model  # a response names the adapter it ran with
         job_id, last_id, owner = await gw.start(request, jobs[0], bool(body.get("stream")))
         if not body.get("stream"):
             result = await gw.result(request, job_id)
             echo = openai_api.echoes(body, [job.prompt for job in jobs])
-            return JSONResponse(openai_api.completion_response(job_id, gw.model, result, chat=chat, echo=echo))
+            return JSONResponse(openai_api.completion_response(job_id, model, result, chat=chat, echo=echo))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        writer = openai_api.ChunkWriter(job_id, gw.model, chat=chat, resumed=last_id != "0-0")
+        writer = openai_api.ChunkWriter(job_id, model, chat=chat, resumed=last_id != "0-0")
 
         def chunks(entry_id: str, f: dict) -> list[str]:
             kind = f.get("type")
@@ -70,6 +72,7 @@ def register(app: FastAPI, gw: Gateway) -> None:
     async def several(request: Request, body: dict, jobs: list[JobRequest], chat: bool) -> Response:
         """Several choices (a list of prompts, or n > 1): one job each, answered together."""
         n = body.get("n") or 1
+        model = jobs[0].adapter or gw.model
         if body.get("stream") and request.headers.get("last-event-id"):
             raise HTTPError(400, "Last-Event-ID resumes a single-choice stream", "Last-Event-ID")
         gw.intake.hold(request, len(jobs))
@@ -77,9 +80,9 @@ def register(app: FastAPI, gw: Gateway) -> None:
         if not body.get("stream"):
             results = await gw.results(request, ids)
             echo = openai_api.echoes(body, [job.prompt for job in jobs])
-            return JSONResponse(openai_api.completion_response(ids[0], gw.model, results, chat=chat, n=n, echo=echo))
+            return JSONResponse(openai_api.completion_response(ids[0], model, results, chat=chat, n=n, echo=echo))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        writer = openai_api.ChunkWriter(ids[0], gw.model, chat=chat)
+        writer = openai_api.ChunkWriter(ids[0], model, chat=chat)
         results: dict[int, dict] = {}
 
         def chunks(i: int, entry_id: str, f: dict) -> list[str]:

@@ -29,6 +29,7 @@ def engine_config(s: Settings) -> EngineConfig:
         runner=s.runner,  # type: ignore[arg-type]
         sim_step_cost=s.sim_step_cost,
         prefix_cache=s.prefix_cache,
+        lora_modules=s.lora_modules,
         priority_headroom=s.priority_headroom,
         compile=s.compile,  # type: ignore[arg-type]
         torch_threads=s.torch_threads,
@@ -62,6 +63,7 @@ def engine_request(
         chat,
         job.priority,
         tenant=job.tenant,
+        adapter=job.adapter,
         cache_salt=salt,
         deadline=job.deadline,
         submitted_s=submitted_s,

@@ -95,6 +95,7 @@ def engine_stats(engine: Engine) -> dict:
         "occupied_s": round(meter.occupied_s(), 3),
         "model": engine.config.model,
         "structured": engine.grammars.available,  # can serve `guided` (xgrammar installed)
+        "adapters": sorted(engine.runner.lora.adapters) if engine.runner.lora is not None else [],  # LoRA
         "attention": engine.backend,
         "runner": engine.lm.runner,
         "compiled": engine.runner.compiled,
