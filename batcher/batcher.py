@@ -60,18 +60,8 @@ class Batcher:
         self.admission = Admission(self)
 
     def pin(self, weight: int, what: str) -> None:
-        """Take `weight` out of the budget for good (a LoRA adapter's memory): refused while requests
-        run, or when one request of max_total_tokens would no longer fit."""
-        left = self.budget - weight
-        if self.running or self.waiting:
-            raise ValueError(f"{what}: the budget can change only while no request is queued")
-        if left < self.weight.seq(self.config.max_total_tokens):
-            raise ValueError(
-                f"{what} takes {weight} of max_batch_weight {self.budget}: one request of max_total_tokens "
-                f"{self.config.max_total_tokens} would no longer fit"
-            )
-        self.budget = left
-        self.headroom = int(self.config.priority_headroom * left)
+        """Take `weight` out of the budget for good (a LoRA adapter's memory), before any request."""
+        self.budget, self.headroom = pinned_budget(self, weight, what)
 
     # ----- queue operations -------------------------------------------------------------------
     def check(self, req: Request) -> None:
@@ -288,3 +278,17 @@ class Batcher:
     def check_memory(self) -> None:
         """Invariants (tests): see Paging.check."""
         self.paging.check()
+
+
+def pinned_budget(b: Batcher, weight: int, what: str) -> tuple[int, int]:
+    """The budget less `weight` and its headroom: refused once requests are queued, or when one
+    request of max_total_tokens would no longer fit."""
+    left = b.budget - weight
+    if b.running or b.waiting:
+        raise ValueError(f"{what}: the budget can change only while no request is queued")
+    if left < b.weight.seq(b.config.max_total_tokens):
+        raise ValueError(
+            f"{what} takes {weight} of max_batch_weight {b.budget}: one request of max_total_tokens "
+            f"{b.config.max_total_tokens} would no longer fit"
+        )
+    return left, int(b.config.priority_headroom * left)
