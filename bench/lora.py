@@ -10,7 +10,9 @@ projection (B non-zero). Engines (the default compile setting, KV for the whole 
 - base_lora_engine: the engine with the adapters loaded, every request on the base (the cost of the
   wrapped layers alone);
 - mixed: the engine with the adapters, request i on adapter i mod --adapters.
-Rounds alternate the three after one untimed round each; output tokens/s are medians. Reported: each
+Rounds alternate the three after one untimed round each; output tokens/s are medians. --vllm: the same
+figure for vLLM's CPU build (`enable_lora`, eager) on the same model, adapters and requests, in the peer
+venv (bench/peer_lora_vllm.py). Reported: each
 tok/s, mixed_vs_base (the issue's figure, target >= 0.7) and mixed_vs_base_lora_engine; greedy_equal:
 whether each mixed request's tokens equal the same engine's run of that request alone (batching never
 changes an adapter's output); the adapters' weight taken from the budget.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import tempfile
 import time
 from dataclasses import replace
@@ -65,6 +68,7 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--vllm", action="store_true", help="also vLLM's CPU build with enable_lora (make peer)")
     args = ap.parse_args()
     work = workload(args.requests, 0)
     weight = sum(len(ids) + n for ids, n in work) + 16 * len(work)
@@ -100,7 +104,26 @@ def main() -> None:
         "adapter_weight_taken": plain.batcher.budget + 200 * args.adapters * args.rank - lora.batcher.budget,
         "adapter_bytes_each": lora.runner.lora.adapters[names[0]].nbytes,
     }  # fmt: skip
+    if args.vllm:
+        out["vllm"] = vllm_side(adapters, work, args.rank, weight, args.rounds)
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
+
+
+def vllm_side(adapters: dict[str, str], work, rank: int, kv_tokens: int, rounds: int) -> dict:
+    """bench/peer_lora_vllm.py in the peer venv on the same model, adapters and requests."""
+    python = Path(__file__).resolve().parents[1] / ".venv-peer" / "bin" / "python"
+    if not python.exists():
+        return {"error": "no peer venv (make peer)"}
+    spec = Path(tempfile.mkdtemp(prefix="weightq-lora-vllm-")) / "spec.json"
+    model = str(builtin_path("tiny"))
+    spec.write_text(json.dumps({"model": model, "adapters": adapters, "work": work, "rank": rank,
+                                "kv_tokens": kv_tokens, "rounds": rounds}))  # fmt: skip
+    script = Path(__file__).with_name("peer_lora_vllm.py")
+    run = subprocess.run([str(python), str(script), str(spec)], capture_output=True, text=True, timeout=3600)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    if run.returncode or not lines:
+        return {"error": (run.stderr or run.stdout)[-1500:]}
+    return json.loads(lines[-1])
 
 
 if __name__ == "__main__":

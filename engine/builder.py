@@ -166,20 +166,22 @@ def parse_lora(spec: str) -> dict[str, str]:
 def load_adapters(
     cfg: EngineConfig, lm: LoadedModel, lora: Resident, adapters: dict[str, str], batcher: Batcher, unit_bytes: float
 ) -> None:
-    """Read every configured adapter and take its bytes out of the batcher's budget, in weight units
-    (tokens of the whole model's KV): what the adapters hold is memory no request's KV can use."""
+    """Read every configured adapter and take what they hold out of the batcher's budget, in weight
+    units (tokens of the whole model's KV): memory no request's KV can use."""
     dtype = next(lm.model.parameters()).dtype
     for name, path in adapters.items():
         try:
             adapter = load_adapter(
                 name, path, lora.targets, device=lm.device, dtype=dtype, allow_download=cfg.allow_download
             )
-            batcher.pin(math.ceil(adapter.nbytes / unit_bytes), f"LoRA adapter {name!r} ({adapter.nbytes} B)")
+            lora.add(adapter)
         except (AdapterError, ValueError) as e:
             raise ConfigError(str(e)) from None
-        lora.add(adapter)
-        log.info("LoRA adapter %s: rank %d, %d modules, %d B, from %s", name, adapter.rank, len(adapter.weights),
-                 adapter.nbytes, path)  # fmt: skip
+        log.info("LoRA adapter %s: rank %d, %d modules, from %s", name, adapter.rank, len(adapter.weights), path)
+    try:
+        batcher.pin(math.ceil(lora.nbytes / unit_bytes), f"{len(adapters)} LoRA adapters ({lora.nbytes} B)")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _paged_layout(cfg: EngineConfig, lm: LoadedModel, backend: str, attn_name: str, max_total: int):

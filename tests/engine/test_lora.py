@@ -66,7 +66,7 @@ def check_mixed_batch(tiny_path, adapters: dict[str, str], compile_: str) -> Non
             device="cpu",
             compile=compile_,
             lora_modules=spec(adapters),
-            max_batch_weight=900,
+            max_batch_weight=2048,
             max_total_tokens=320,
             max_prefill_weight=64,
             check_invariants=True,
@@ -105,22 +105,25 @@ def test_adapters_mixed_with_the_base_in_one_batch_equal_peft_merged(tiny_path, 
 
 def test_adapter_memory_comes_out_of_the_budget_and_unknown_adapters_are_refused(tiny_path, adapters):
     plain = Engine(
-        EngineConfig(model=str(tiny_path), device="cpu", compile="off", max_batch_weight=2048, max_total_tokens=1024)
+        EngineConfig(model=str(tiny_path), device="cpu", compile="off", max_batch_weight=4096, max_total_tokens=1024)
     )
     lora = Engine(
         EngineConfig(
             model=str(tiny_path),
             device="cpu",
             compile="off",
-            max_batch_weight=2048,
+            max_batch_weight=4096,
             max_total_tokens=1024,
             lora_modules=spec(adapters),
         )
     )
     resident = lora.runner.lora
     unit = lora.runner.cache.layout.page_bytes / lora.runner.cache.layout.block_size
-    taken = sum(-(-a.nbytes // unit) for a in resident.adapters.values())
-    assert taken > 0 and lora.batcher.budget == plain.batcher.budget - taken
+    # the stacks: every adapter at the largest rank (16) on every layer any adapter targets (all seven)
+    layers = plain.lm.model.config.num_hidden_layers
+    dims = {m: (t.in_features + t.out_features) for m, t in resident.targets.items() if not m.startswith("lm_head")}
+    assert resident.nbytes == 3 * 16 * sum(dims.values()) * 4 and len(dims) == 7 * layers
+    assert lora.batcher.budget == plain.batcher.budget - -(-resident.nbytes // unit)
     assert resident.adapters["bob"].rank == 16 and set(resident.adapters["bob"].weights) == {
         f"model.layers.{i}.{m}" for i in range(plain.lm.model.config.num_hidden_layers)
         for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
