@@ -57,7 +57,7 @@ def spec(adapters: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in adapters.items())
 
 
-def check_mixed_batch(tiny_path, adapters: dict[str, str], compile_: str) -> None:
+def check_mixed_batch(tiny_path, adapters: dict[str, str], compile_: str, **config) -> None:
     """Base and three adapters in the same steps, adapters' requests sent back to the queue and
     prefilled again."""
     engine = Engine(
@@ -70,8 +70,10 @@ def check_mixed_batch(tiny_path, adapters: dict[str, str], compile_: str) -> Non
             max_total_tokens=320,
             max_prefill_weight=64,
             check_invariants=True,
+            **config,
         )
     )
+    assert engine.backend == config.get("attention", engine.backend)
     names = ["", "ada", "bob", "rs"]
     reqs = mixed_requests(12, seed=5, max_prompt=120, max_new=48)
     reqs = [replace(r, adapter=names[i % 4]) for i, r in enumerate(reqs)]
@@ -101,6 +103,11 @@ def check_mixed_batch(tiny_path, adapters: dict[str, str], compile_: str) -> Non
 
 def test_adapters_mixed_with_the_base_in_one_batch_equal_peft_merged(tiny_path, adapters):
     check_mixed_batch(tiny_path, adapters, "off")  # compiled: tests/engine/test_compile.py
+
+
+def test_adapters_on_the_flash_path_through_its_stand_in(tiny_path, adapters):
+    """flash.py's varlen and paged calls (engine/attention/flash_reference.py on the CPU) with adapters."""
+    check_mixed_batch(tiny_path, adapters, "off", attention="flash_reference")
 
 
 def test_adapter_memory_comes_out_of_the_budget_and_unknown_adapters_are_refused(tiny_path, adapters):
