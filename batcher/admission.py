@@ -105,6 +105,7 @@ class Admission:
                 budget -= res.margin(res.variance(cand))
             if -b.order[cand.id][0] < b.config.headroom_priority:
                 budget -= b.headroom
+        budget -= b.adapters.extra_weight(cand.adapter)  # one more adapter slot, if its adapter needs one
         self.budget = budget - b.paging.pinned * b.weight.block_size
         return budget
 

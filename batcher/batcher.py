@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
+from .adapters import AdapterSlots
 from .admission import Admission
 from .config import BatcherConfig
 from .estimator import OutputLengthEstimator
@@ -37,11 +38,8 @@ class Batcher:
         self.config = cfg = config.resolved()
         self.budget: int = cfg.max_batch_weight  # type: ignore[assignment]
         self.weight = weight_model(cfg.weight_model, cfg.block_size, cfg.kinds)
-        self.estimator = (
-            OutputLengthEstimator(cfg.predictive_margin, cfg.predictive_min_samples, cfg.predictive_window)
-            if cfg.mode == "predictive"
-            else None
-        )
+        predictive = (cfg.predictive_margin, cfg.predictive_min_samples, cfg.predictive_window)
+        self.estimator = OutputLengthEstimator(*predictive) if cfg.mode == "predictive" else None
         self.waiting: list[Request] = []  # by class, then arrival
         self.running: dict[str, Request] = {}  # admission order
         self.step = 0  # steps completed
@@ -58,10 +56,7 @@ class Batcher:
         self.paging = Paging(self)
         self.ledger = self.paging.ledger  # the paged runner's pages (None for the padded weight)
         self.admission = Admission(self)
-
-    def pin(self, weight: int, what: str) -> None:
-        """Take `weight` out of the budget for good (a LoRA adapter's memory), before any request."""
-        self.budget, self.headroom = pinned_budget(self, weight, what)
+        self.adapters = AdapterSlots()  # LoRA adapters' slots (adapters.py); the engine sets slot_weight
 
     # ----- queue operations -------------------------------------------------------------------
     def check(self, req: Request) -> None:
@@ -77,6 +72,8 @@ class Batcher:
                 f"input_len {req.input_len} + max_new_tokens {req.max_new_tokens} = {req.max_total} "
                 f"exceeds max_total_tokens {cfg.max_total_tokens}",
             )
+        if req.adapter:
+            self.adapters.check(req.adapter)
         alone = self.weight.seq(req.max_total)
         if alone > self.budget:
             raise RequestRejected(
@@ -189,6 +186,7 @@ class Batcher:
         req.decoding = False
         self.running[req.id] = req
         self.tenants.weight[req.tenant] += self.projector.start(req, chunk, ahead)
+        self.budget -= self.adapters.acquire(req.adapter, self.step)  # a new slot for its adapter
         self.stats.prompt_tokens += req.context_len
         self.stats.cached_tokens += req.prefilled
         if not req.preemptions:
@@ -203,6 +201,7 @@ class Batcher:
         """`req` left the running set (finished, cancelled, preempted): its weight and pages are free."""
         self.tenants.weight[req.tenant] -= self.projector.stop(req)
         self.reservations.forget(req.id)
+        self.adapters.release(req.adapter)
         self.paging.leave(req)
         self.running_changed()
 
@@ -278,17 +277,3 @@ class Batcher:
     def check_memory(self) -> None:
         """Invariants (tests): see Paging.check."""
         self.paging.check()
-
-
-def pinned_budget(b: Batcher, weight: int, what: str) -> tuple[int, int]:
-    """The budget less `weight` and its headroom: refused once requests are queued, or when one
-    request of max_total_tokens would no longer fit."""
-    left = b.budget - weight
-    if b.running or b.waiting:
-        raise ValueError(f"{what}: the budget can change only while no request is queued")
-    if left < b.weight.seq(b.config.max_total_tokens):
-        raise ValueError(
-            f"{what} takes {weight} of max_batch_weight {b.budget}: one request of max_total_tokens "
-            f"{b.config.max_total_tokens} would no longer fit"
-        )
-    return left, int(b.config.priority_headroom * left)

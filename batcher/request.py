@@ -48,6 +48,7 @@ class Request:
     runs_to_max: bool = False  # nothing can end it early (EOS ignored, no stop conditions): its length is known
     priority: int = DEFAULT_PRIORITY  # its class, 0-9: a higher class is admitted first (admission.py)
     tenant: str = ""  # who it is for: within a class, tenants share by service received (fairness.py)
+    adapter: str = ""  # its LoRA adapter ("" the base model's): a slot of the stacks (adapters.py)
     prefix: tuple[bytes, ...] = ()
     shared: int = 0
     cached: int = 0

@@ -19,7 +19,7 @@ from .attention.flash import BACKENDS as FLASH_BACKENDS
 from .attention.flash import available as flash_available
 from .attention.probe import check_backend, probe
 from .config import EngineConfig
-from .lora import AdapterError, Resident, load_adapter, parse_modules
+from .lora import AdapterError, Resident, parse_modules, read_adapter
 from .model import LoadedModel, choose_runner, load_model, resolve_device
 from .runner.base import Runner
 from .runner.kv_cache import KVCache, KVGeometry, KVLayout, derive_capacity
@@ -119,7 +119,7 @@ def build(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
         raise ConfigError(str(e)) from None
     max_total = min(cfg.max_total_tokens or lm.context_limit, lm.context_limit)
     max_input = min(cfg.max_input_length or max_total - 1, max_total - 1)
-    if cfg.lora_modules and kind != "paged":
+    if (cfg.lora_modules or cfg.enable_lora) and kind != "paged":
         raise ConfigError(f"lora_modules: LoRA adapters are served on the paged runner only (this model runs {kind})")
     if kind == "simulated":
         return _build_simulated(cfg, lm, max_total, max_input)
@@ -144,7 +144,8 @@ def build(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
     log.info("KV cache: %s", why)
     cache = KVCache(layout, pages, lm.device)
     adapters = parse_lora(cfg.lora_modules)
-    lora = Resident(lm.model) if adapters else None  # before the model is compiled: its layers change
+    # before the model is compiled: its layers change
+    lora = Resident(lm.model, cfg.max_lora_rank) if adapters or cfg.enable_lora else None
     compiled = wants_compile(cfg.compile, lm.device, backend)
     runner = ModelRunner(lm.model, cache, backend, lm.device, compiled=compiled, lora=lora)
     batcher = make_batcher(
@@ -166,22 +167,26 @@ def parse_lora(spec: str) -> dict[str, str]:
 def load_adapters(
     cfg: EngineConfig, lm: LoadedModel, lora: Resident, adapters: dict[str, str], batcher: Batcher, unit_bytes: float
 ) -> None:
-    """Read every configured adapter and take what they hold out of the batcher's budget, in weight
-    units (tokens of the whole model's KV): memory no request's KV can use."""
+    """Read the configured adapters (kept on the host until a request needs a slot) and size the
+    batcher's adapter slots: each takes `slot_bytes` in weight units (tokens of the whole model's KV)
+    out of the budget when it is allocated, and as many may be as leave room for one request of
+    max_total_tokens."""
     dtype = next(lm.model.parameters()).dtype
     for name, path in adapters.items():
         try:
-            adapter = load_adapter(
-                name, path, lora.targets, device=lm.device, dtype=dtype, allow_download=cfg.allow_download
-            )
-            lora.add(adapter)
+            lora.add(read_adapter(name, path, lora, dtype, cfg.allow_download))
         except (AdapterError, ValueError) as e:
             raise ConfigError(str(e)) from None
-        log.info("LoRA adapter %s: rank %d, %d modules, from %s", name, adapter.rank, len(adapter.weights), path)
-    try:
-        batcher.pin(math.ceil(lora.nbytes / unit_bytes), f"{len(adapters)} LoRA adapters ({lora.nbytes} B)")
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+        log.info("LoRA adapter %s (rank %d) from %s", name, lora.host[name].rank, path)
+    slots = batcher.adapters
+    slots.slot_weight = math.ceil(lora.slot_bytes / unit_bytes)
+    slots.max_capacity = (batcher.budget - batcher.weight.seq(batcher.config.max_total_tokens)) // slots.slot_weight
+    if not slots.max_capacity:
+        raise ConfigError(
+            f"lora: one adapter slot (rank {lora.rank}: {lora.slot_bytes} B, {slots.slot_weight} tokens of KV) and "
+            f"one request of max_total_tokens do not fit in max_batch_weight {batcher.budget}"
+        )
+    log.info("LoRA: slots of %d tokens of KV each, up to %d", slots.slot_weight, slots.max_capacity)
 
 
 def _paged_layout(cfg: EngineConfig, lm: LoadedModel, backend: str, attn_name: str, max_total: int):

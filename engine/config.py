@@ -74,3 +74,5 @@ class EngineConfig:
     # LoRA adapters served beside the base model, "name=path-or-hub-id,..." (vLLM's --lora-modules): a
     # request names one as its model; their bytes come out of the KV budget (engine/lora/)
     lora_modules: str = ""
+    enable_lora: bool = False  # serve adapters loaded at run time (implied by lora_modules)
+    max_lora_rank: int = 16  # the largest adapter rank served: every adapter slot is this wide

@@ -21,6 +21,7 @@ from weightq.batcher.outlook import Urgency, urgency
 from ..builder import build, on_fresh_thread
 from ..config import EngineConfig
 from ..handle import Handle
+from ..lora import AdapterControl
 from ..model import LoadedModel
 from ..params import Event, FinishEvent, FinishReason, GenerationRequest
 from ..runner.base import Work
@@ -29,7 +30,6 @@ from ..sampling.sampler import sample
 from ..sequence import Sequence
 from ..sink import Sink, as_sink
 from ..text.detokenizer import TokenTexts
-from ..text.prompt import render_chat
 from .deadlines import PASSED, Deadlines
 from .intake import Intake, error_event, stopped_event
 from .isolate import isolate
@@ -80,6 +80,7 @@ class Engine:
         self._stopping = threading.Event()
         self._generator = torch.Generator().manual_seed(cfg.seed)
         # A compiled runner compiles its shapes now, before anyone is served (on a fresh thread: see above).
+        self.adapters = AdapterControl(self.runner.lora, next(self.lm.model.parameters()).dtype, cfg.allow_download)
         self.warmup_s = on_fresh_thread(lambda: warm_up(self)) if self.runner.compiled else 0.0
 
     # ----- caller side (any thread) ---------------------------------------------------------------
@@ -127,10 +128,6 @@ class Engine:
                 raise RuntimeError("engine idle with unfinished requests")
         return [h.final for h in handles]  # type: ignore[misc]
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        """The prompt text of a chat: the tokenizer's chat template with the assistant's turn opened."""
-        return render_chat(self.tokenizer, self.config.model, messages)
-
     def idle(self) -> bool:
         """Nothing running, waiting or submitted (and every event out)."""
         b, intake = self.batcher, self.intake
@@ -140,6 +137,12 @@ class Engine:
         """Drop the cached prompt blocks no request holds (benchmarks' cold starts); returns how many."""
         ledger = self.batcher.ledger
         return ledger.drop_cache() if ledger is not None else 0
+
+    def load_adapter(self, name: str, path: str) -> None:
+        self.adapters.load(name, path)  # engine/lora/control.py
+
+    def unload_adapter(self, name: str) -> bool:
+        return self.adapters.unload(name)
 
     def room_for(self) -> int:
         """How many more typical requests a worker may take now (Batcher.room_for)."""
@@ -193,6 +196,7 @@ class Engine:
         now = time.monotonic()
         plan = self.batcher.schedule(now)
         runner, outputs, seqs = self.runner, self.outputs, self.seqs
+        self.adapters.apply(self.batcher.adapters)  # LoRA: the slots' adapters in place before the forward
         for req in plan.preempted:
             runner.release(seqs[req.id])
         if not plan:

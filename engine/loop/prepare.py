@@ -48,8 +48,8 @@ class Preparer:
         if len(ids) > self.max_input_length:
             raise InvalidRequest("prompt", f"{len(ids)} tokens exceeds max_input_length {self.max_input_length}")
         lora = self.runner.lora
-        if request.adapter and (lora is None or request.adapter not in lora.adapters):
-            served = ", ".join(sorted(lora.adapters)) if lora is not None else "none"
+        if request.adapter and (lora is None or request.adapter not in lora.accepting):
+            served = ", ".join(lora.adapters) if lora is not None and lora.adapters else "none"
             raise InvalidRequest("model", f"adapter {request.adapter[:64]!r} is not loaded here (adapters: {served})")
         batcher = self.batcher
         # An encoder-decoder's input is its encoder's: padded on its own, the batcher's fixed part.
@@ -68,6 +68,7 @@ class Preparer:
             fixed_len=fixed,
             priority=request.priority,
             tenant=request.tenant,
+            adapter=request.adapter,
         )
         sched.runs_to_max = params.ignore_eos and not params.stop and not params.stop_token_ids
         ledger = batcher.ledger

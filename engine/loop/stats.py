@@ -95,7 +95,8 @@ def engine_stats(engine: Engine) -> dict:
         "occupied_s": round(meter.occupied_s(), 3),
         "model": engine.config.model,
         "structured": engine.grammars.available,  # can serve `guided` (xgrammar installed)
-        "adapters": sorted(engine.runner.lora.adapters) if engine.runner.lora is not None else [],  # LoRA
+        "adapters": engine.runner.lora.adapters if engine.runner.lora is not None else [],  # LoRA, by name
+        "adapter_errors": dict(engine.adapters.errors),  # run-time loads that failed, and why
         "attention": engine.backend,
         "runner": engine.lm.runner,
         "compiled": engine.runner.compiled,

@@ -118,6 +118,13 @@ def load_adapter(
     return LoraAdapter(name, path, rank, weights)
 
 
+def read_adapter(name: str, path: str, resident, dtype: torch.dtype, allow_download: bool) -> LoraAdapter:
+    """An adapter's weights on the host (CPU), checked against `resident`'s layers: `Resident.place`
+    copies them to the device when a request needs it."""
+    cpu = torch.device("cpu")
+    return load_adapter(name, path, resident.targets, device=cpu, dtype=dtype, allow_download=allow_download)
+
+
 def _resolve(name: str, path: str, allow_download: bool) -> Path:
     where = Path(path).expanduser()
     if where.is_dir():

@@ -49,63 +49,105 @@ class LoraLinear(torch.nn.Module):
 
 
 class Resident:
-    """The adapters this engine serves, by name, stacked per linear layer: A of every adapter in one
-    [slots x rank, in] matrix and B in one [slots x rank, out] (ranks padded to the largest, zeros where
-    an adapter leaves the layer), so a step's delta is two matmuls whatever its mix of adapters."""
+    """The adapters this engine serves and the stacks that hold the resident ones: per linear layer,
+    A of every slot in one [capacity x rank, in] matrix and B in one [capacity x rank, out] (zeros where
+    an adapter leaves the layer or has a smaller rank), so a step's delta is two matmuls whatever its
+    mix. Which adapter holds which slot is the batcher's decision (batcher/adapters.py: AdapterSlots);
+    `place` applies it on the engine thread before the step runs."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.adapters: dict[str, LoraAdapter] = {}
-        self.slots: dict[str, int] = {}  # adapter -> its block of rows in every stack
-        self.rank = 0  # every slot's width: the largest rank among the adapters
-        self.stacks: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per LoraLinear; None: no adapter
-        self._index: dict[str, int] = {}  # module name -> its LoraLinear's index
+    def __init__(self, model: torch.nn.Module, rank: int) -> None:
+        self.rank = rank  # every slot's width: the largest rank served (MAX_LORA_RANK)
+        self.host: dict[str, LoraAdapter] = {}  # loaded adapters' weights, resident or not
+        self.accepting: set[str] = set()  # adapters new requests may name (unloaded ones leave at once)
+        self.slots: dict[str, int] = {}  # resident adapter -> its slot
+        self.capacity = 0
+        self.stacks: list[tuple[torch.Tensor, torch.Tensor]] = []  # per LoraLinear
         self.targets: dict[str, torch.nn.Linear] = {}  # module name -> the base layer adapters may target
+        self._index: dict[str, int] = {}  # module name -> its LoraLinear's index
+        self._unloaded: list[str] = []  # names the engine thread has yet to forget (other threads add)
         skip = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         for name, module in list(model.named_modules()):
             if isinstance(module, torch.nn.Linear) and module is not skip:
                 parent, _, child = name.rpartition(".")
                 self._index[name] = len(self.stacks)
                 self.targets[name] = module
-                self.stacks.append(None)
+                w = module.weight
+                self.stacks.append((w.new_zeros(0, module.in_features), w.new_zeros(0, module.out_features)))
                 setattr(model.get_submodule(parent) if parent else model, child, LoraLinear(module, self._index[name]))
 
     @property
-    def nbytes(self) -> int:
-        """The stacks' memory: what the budget gives up for the adapters (ranks padded to the largest)."""
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in filter(None, self.stacks))
+    def adapters(self) -> list[str]:
+        return sorted(self.accepting)
+
+    @property
+    def slot_bytes(self) -> int:
+        """One slot's memory: every layer adapters may target, at the largest rank."""
+        size = next(iter(self.targets.values())).weight.element_size() if self.targets else 4
+        return sum(self.rank * (t.in_features + t.out_features) * size for t in self.targets.values())
 
     def add(self, adapter: LoraAdapter) -> None:
+        """Serve `adapter` from now on (its weights stay on the host until a request needs a slot)."""
         missing = [m for m in adapter.weights if m not in self._index]
         if missing:
             raise ValueError(f"adapter {adapter.name!r}: {missing[0]} is not a linear layer adapters can target")
-        self.adapters[adapter.name] = adapter
-        self._restack()
+        if adapter.rank > self.rank:
+            raise ValueError(f"adapter {adapter.name!r}: rank {adapter.rank} exceeds max_lora_rank {self.rank}")
+        if adapter.name in self.host:
+            raise ValueError(f"adapter {adapter.name!r} is already loaded")
+        self.host[adapter.name] = adapter
+        self.accepting.add(adapter.name)
 
-    def remove(self, name: str) -> LoraAdapter | None:
-        adapter = self.adapters.pop(name, None)
-        if adapter is not None:
-            self._restack()
-        return adapter
+    def unload(self, name: str) -> bool:
+        """New requests may no longer name it; its slot is freed once its running requests end."""
+        if name not in self.accepting:
+            return False
+        self.accepting.discard(name)
+        self._unloaded.append(name)
+        return True
 
-    def _restack(self) -> None:
-        names = sorted(self.adapters)
-        self.slots = {name: i for i, name in enumerate(names)}
-        self.rank = r = max((a.rank for a in self.adapters.values()), default=0)
+    def take_unloaded(self) -> list[str]:
+        """(Engine thread) adapters unloaded since the last call: the batcher frees their slots."""
+        out, self._unloaded = self._unloaded, []
+        return out
+
+    def sync(self, slot_of: dict[str, int]) -> None:
+        """(Engine thread) forget the slots the batcher took back; an unloaded adapter's weights go too."""
+        for name in [n for n in self.slots if n not in slot_of]:
+            del self.slots[name]
+        for name in [n for n in self.host if n not in self.accepting and n not in self.slots]:
+            del self.host[name]
+
+    def place(self, name: str, slot: int) -> None:
+        """(Engine thread) copy `name`'s weights into `slot`, growing the stacks when it is new."""
+        if slot >= self.capacity:
+            self._grow(slot + 1)
+        adapter, r = self.host[name], self.rank
+        for owner in [n for n, s in self.slots.items() if s == slot]:
+            del self.slots[owner]
+            if owner not in self.accepting:
+                self.host.pop(owner, None)
+        self.slots[name] = slot
         for module, i in self._index.items():
-            held = [
-                (self.slots[n], self.adapters[n].weights[module]) for n in names if module in self.adapters[n].weights
-            ]
-            if not held:
-                self.stacks[i] = None
-                continue
-            a0 = held[0][1][0]
-            base = self.targets[module]
-            a_cat = a0.new_zeros(len(names) * r, base.in_features)
-            b_cat = a0.new_zeros(len(names) * r, base.out_features)
-            for slot, (a, b) in held:
-                a_cat[slot * r : slot * r + a.shape[0]] = a
-                b_cat[slot * r : slot * r + a.shape[0]] = b.t()
-            self.stacks[i] = (a_cat, b_cat)
+            a_cat, b_cat = self.stacks[i]
+            a_cat[slot * r : (slot + 1) * r] = 0
+            b_cat[slot * r : (slot + 1) * r] = 0
+            if module in adapter.weights:
+                a, b = adapter.weights[module]
+                a_cat[slot * r : slot * r + a.shape[0]] = a.to(a_cat.device)
+                b_cat[slot * r : slot * r + a.shape[0]] = b.t().to(b_cat.device)
+
+    def _grow(self, capacity: int) -> None:
+        for i, (a_cat, b_cat) in enumerate(self.stacks):
+            a_new = a_cat.new_zeros(capacity * self.rank, a_cat.shape[1])
+            b_new = b_cat.new_zeros(capacity * self.rank, b_cat.shape[1])
+            a_new[: a_cat.shape[0]], b_new[: b_cat.shape[0]] = a_cat, b_cat
+            self.stacks[i] = (a_new, b_new)
+        self.capacity = capacity
+
+    @property
+    def nbytes(self) -> int:
+        """The stacks' memory (capacity x slot_bytes): what the budget has given up for adapters."""
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.stacks)
 
     def step_view(
         self, segments: list[tuple[str, torch.Tensor]], rows: int, like: torch.Tensor
@@ -118,7 +160,7 @@ class Resident:
         m = like.new_zeros(rows, len(present), self.rank)
         for name, idx in segments:
             m[idx, where[self.slots[name]]] = 1
-        chosen = None if len(present) == len(self.slots) else torch.tensor(present, device=like.device)
+        chosen = None if len(present) == self.capacity else torch.tensor(present, device=like.device)
         return chosen, m.view(rows, -1)
 
 
@@ -134,10 +176,7 @@ def lora_context(resident: Resident | None, segments: list[tuple[str, torch.Tens
 
 def _delta(x: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
     resident: Resident = _step.resident
-    stack = resident.stacks[index]
-    if stack is None:  # no adapter changes this layer
-        return x.new_zeros(*x.shape[:-1], out_features)
-    a_cat, b_cat = stack
+    a_cat, b_cat = resident.stacks[index]
     flat = x.reshape(-1, x.shape[-1])
     view = getattr(_step, "view", None)
     if view is None or view[1].shape[0] != flat.shape[0]:  # once per step: every layer shares it

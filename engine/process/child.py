@@ -13,9 +13,12 @@ from multiprocessing.connection import Connection
 from ..config import EngineConfig
 from ..heap import freeze_startup_heap
 from ..loop.engine import Engine
+from ..lora import AdapterError
 from ..params import Event, FinishEvent, TokenEvent
 from ..sink import TokenTuple
-from .messages import Cancel, Failed, Message, Ready, Step, Stop, Stopped, Submit
+from .messages import Cancel, Failed, LoadAdapter, Message, Ready, Step, Stop, Stopped, Submit, UnloadAdapter
+
+log = logging.getLogger(__name__)
 
 STATS_EVERY_S = 0.1  # a stats snapshot rides on a step message at most this often (and when idle)
 
@@ -95,6 +98,13 @@ def child_main(config: EngineConfig, commands: Connection, out: Connection) -> N
                 engine.submit(request)
             case Cancel(request_id):
                 engine.cancel(request_id)
+            case LoadAdapter(name, path):
+                try:
+                    engine.load_adapter(name, path)
+                except AdapterError as e:  # in the stats' adapter_errors: the parent reads them there
+                    log.warning("%s", e)
+            case UnloadAdapter(name):
+                engine.unload_adapter(name)
             case Stop(reason, message):
                 engine.stop(reason, message)
                 sender.flush()

@@ -30,7 +30,18 @@ class Stop:
     message: str | None
 
 
-Command = Submit | Cancel | Stop
+@dataclass(frozen=True, slots=True)
+class LoadAdapter:
+    name: str
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class UnloadAdapter:
+    name: str
+
+
+Command = Submit | Cancel | Stop | LoadAdapter | UnloadAdapter
 
 
 @dataclass(frozen=True, slots=True)

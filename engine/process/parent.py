@@ -24,7 +24,7 @@ from ..handle import Handle
 from ..params import Event, FinishEvent, FinishReason, GenerationRequest, TokenEvent
 from ..sink import Sink, TokenSink, TokenTuple, as_sink
 from .child import child_main
-from .messages import Cancel, Command, Failed, Ready, Step, Stop, Stopped, Submit
+from .messages import Cancel, Command, Failed, LoadAdapter, Ready, Step, Stop, Stopped, Submit, UnloadAdapter
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,14 @@ class EngineProcess:
         if known:
             self._send(Cancel(request_id))
         return known
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Sent to the child, which reads it; a failure shows in stats()["adapter_errors"]."""
+        self._send(LoadAdapter(name, path))
+
+    def unload_adapter(self, name: str) -> bool:
+        self._send(UnloadAdapter(name))
+        return name in self._stats.get("adapters", ())
 
     def idle(self) -> bool:
         with self._lock:

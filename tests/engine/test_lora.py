@@ -110,35 +110,80 @@ def test_adapters_on_the_flash_path_through_its_stand_in(tiny_path, adapters):
     check_mixed_batch(tiny_path, adapters, "off", attention="flash_reference")
 
 
-def test_adapter_memory_comes_out_of_the_budget_and_unknown_adapters_are_refused(tiny_path, adapters):
-    plain = Engine(
-        EngineConfig(model=str(tiny_path), device="cpu", compile="off", max_batch_weight=4096, max_total_tokens=1024)
-    )
-    lora = Engine(
-        EngineConfig(
-            model=str(tiny_path),
-            device="cpu",
-            compile="off",
-            max_batch_weight=4096,
-            max_total_tokens=1024,
-            lora_modules=spec(adapters),
-        )
-    )
-    resident = lora.runner.lora
+def test_adapter_slots_come_out_of_the_budget_as_they_are_taken_and_unknown_adapters_are_refused(tiny_path, adapters):
+    cfg = dict(model=str(tiny_path), device="cpu", compile="off", max_batch_weight=4096, max_total_tokens=1024)
+    plain = Engine(EngineConfig(**cfg))
+    lora = Engine(EngineConfig(**cfg, lora_modules=spec(adapters)))
+    resident, slots = lora.runner.lora, lora.batcher.adapters
     unit = lora.runner.cache.layout.page_bytes / lora.runner.cache.layout.block_size
-    # the stacks: every adapter at the largest rank (16) on every layer any adapter targets (all seven)
-    layers = plain.lm.model.config.num_hidden_layers
-    dims = {m: (t.in_features + t.out_features) for m, t in resident.targets.items() if not m.startswith("lm_head")}
-    assert resident.nbytes == 3 * 16 * sum(dims.values()) * 4 and len(dims) == 7 * layers
-    assert lora.batcher.budget == plain.batcher.budget - -(-resident.nbytes // unit)
-    assert resident.adapters["bob"].rank == 16 and set(resident.adapters["bob"].weights) == {
+    # a slot: rank 16 (MAX_LORA_RANK) on every linear layer but the head, whatever each adapter targets
+    dims = sum(t.in_features + t.out_features for t in resident.targets.values())
+    assert resident.slot_bytes == 16 * dims * 4 and slots.slot_weight == -(-resident.slot_bytes // unit)
+    assert lora.batcher.budget == plain.batcher.budget and resident.nbytes == 0  # nothing taken before use
+    assert set(resident.host["bob"].weights) == {
         f"model.layers.{i}.{m}" for i in range(plain.lm.model.config.num_hidden_layers)
         for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
     }  # fmt: skip
     req = mixed_requests(1, seed=1, max_prompt=60, max_new=48)[0]
+    lora.generate([replace(req, id="x", adapter="ada"), replace(req, id="y", adapter="bob")])
+    assert slots.capacity == 2 and resident.nbytes == 2 * resident.slot_bytes
+    assert lora.batcher.budget == plain.batcher.budget - 2 * slots.slot_weight
     refused = lora.generate([replace(req, adapter="nope")])[0]  # an error event, naming the field
     assert refused.error.startswith("model: adapter 'nope' is not loaded here (adapters: ada, bob, rs)")
     assert "model: adapter 'ada' is not loaded here" in plain.generate([replace(req, adapter="ada")])[0].error
+
+
+def test_slots_are_reused_by_the_least_recently_used_idle_adapter_and_requests_wait_for_one(tiny_path, adapters):
+    """Room for two slots and three adapters: a third adapter takes the slot of the one least recently
+    used that no running request holds, and waits while both are in use; outputs stay exact."""
+    cfg = dict(model=str(tiny_path), device="cpu", compile="off", max_total_tokens=320, check_invariants=True)
+    probe = Engine(EngineConfig(**cfg, max_batch_weight=4096, lora_modules=spec(adapters)))
+    slot = probe.batcher.adapters.slot_weight
+    budget = probe.batcher.weight.seq(320) + 2 * slot + 64
+    engine = Engine(EngineConfig(**cfg, max_batch_weight=budget, lora_modules=spec(adapters)))
+    slots = engine.batcher.adapters
+    assert slots.max_capacity == 2
+    reqs = [
+        replace(r, adapter=["ada", "bob", "rs"][i % 3])
+        for i, r in enumerate(mixed_requests(9, seed=2, max_prompt=60, max_new=48))
+    ]
+    handles = [engine.submit(r) for r in reqs]
+    placed = []
+    while any(h.final is None for h in handles):
+        engine.step()
+        assert len(slots.slot_of) <= 2 and all(slots.users[a] for a in slots.users)
+        in_use = {r.adapter for r in engine.batcher.running.values()}
+        assert len(in_use) <= 2
+        placed.extend(slots.loads)
+    results = [h.final for h in handles]
+    assert all(r.error is None for r in results) and slots.capacity == 2
+    for name in ("ada", "bob", "rs"):
+        mine = [(q, r) for q, r in zip(reqs, results, strict=True) if q.adapter == name]
+        assert_greedy_equal(merged(tiny_path, adapters[name]), [q for q, _ in mine], [r for _, r in mine])
+
+
+def test_adapters_load_and_unload_at_run_time(tiny_path, adapters, tmp_path):
+    from weightq.engine.lora import AdapterError
+
+    cfg = dict(model=str(tiny_path), device="cpu", compile="off", max_batch_weight=4096, max_total_tokens=320)
+    engine = Engine(EngineConfig(**cfg, enable_lora=True))
+    req = mixed_requests(1, seed=4, max_prompt=60, max_new=48)[0]
+    assert "not loaded here (adapters: none)" in engine.generate([replace(req, adapter="ada")])[0].error
+    engine.load_adapter("ada", adapters["ada"])
+    got = engine.generate([replace(req, id="a1", adapter="ada"), replace(req, id="b1")])
+    assert_greedy_equal(merged(tiny_path, adapters["ada"]), [replace(req, id="a1", adapter="ada")], got[:1])
+    with pytest.raises(AdapterError, match="already loaded"):
+        engine.load_adapter("ada", adapters["ada"])
+    wide = make_adapter(tiny_path, tmp_path / "wide", 32, 9)
+    with pytest.raises(AdapterError, match="rank 32 exceeds max_lora_rank 16"):
+        engine.load_adapter("wide", wide)
+    assert engine.stats()["adapter_errors"]["wide"].endswith("exceeds max_lora_rank 16")
+    assert engine.unload_adapter("ada") and not engine.unload_adapter("ada")
+    assert "not loaded here" in engine.generate([replace(req, id="a2", adapter="ada")])[0].error
+    engine.generate([replace(req, id="b2")])  # the step frees its slot
+    assert engine.batcher.adapters.slot_of == {} and "ada" not in engine.runner.lora.host
+    with pytest.raises(AdapterError, match="not enabled"):
+        Engine(EngineConfig(**cfg)).load_adapter("ada", adapters["ada"])
 
 
 def test_what_cannot_be_served_is_refused_at_load(tiny_path, adapters, tmp_path):
@@ -159,7 +204,7 @@ def test_what_cannot_be_served_is_refused_at_load(tiny_path, adapters, tmp_path)
     (bad / "adapter_model.safetensors").write_bytes((tmp_path / "dora" / "adapter_model.safetensors").read_bytes())
     with pytest.raises(ConfigError, match="'shape'"):
         Engine(EngineConfig(**cfg, lora_modules=f"shape={bad}"))
-    with pytest.raises(ConfigError, match="would no longer fit"):  # adapters bigger than the whole budget
+    with pytest.raises(ConfigError, match="do not fit in max_batch_weight"):  # no room for one slot
         Engine(EngineConfig(**cfg | {"max_batch_weight": 300, "max_total_tokens": 256},
                             lora_modules=spec(adapters)))  # fmt: skip
     with pytest.raises(ConfigError, match="paged runner only"):
