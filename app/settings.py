@@ -59,6 +59,8 @@ class Settings(BaseSettings):
     # LoRA adapters of the model, "name=path-or-hub-id,..." (vLLM's --lora-modules): a request's `model`
     # naming one runs with it, mixed with the base model's in the same steps (engine/lora/)
     lora_modules: str = ""
+    enable_lora: bool = False  # 1: adapters may be loaded at run time (/v1/load_lora_adapter); implied by LORA_MODULES
+    max_lora_rank: Annotated[int, Field(ge=1)] = 16  # the largest adapter rank served: each adapter slot is this wide
     # Structured output: a grammar that takes longer to compile (or more memory) is refused. Trial
     # compiles run in a helper process that is killed past the deadline (engine/sampling/grammar_trial.py).
     grammar_compile_timeout_s: float = 10.0

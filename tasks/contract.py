@@ -85,9 +85,15 @@ STREAM_TICK = "weightq:stream-tick"
 # Prefix affinity: each worker's own queue, by queue name: {"queue": the shared queue, "instance",
 # "hostname"}. Whoever finds the instance's lease lapsed moves what waits there to the shared queue.
 WORKER_QUEUES = "weightq:worker-queues"
+# LoRA adapters loaded and unloaded at run time for the whole pool (the gateway's /v1/load_lora_adapter
+# and /v1/unload_lora_adapter): name -> path ("" once unloaded). Every worker follows within a second
+# (app/worker/adapters.py) and reports a load that failed in LORA_ERRORS (name -> "worker: why").
+LORA_ADAPTERS = "weightq:lora"
+LORA_ERRORS = "weightq:lora-errors"
 RUNNING_STREAM_TTL_S = 86_400  # a running job's stream lives a day; once it ends, STREAM_TTL_S
 SINGLETONS = (
     CANCEL_CHANNEL, QUEUED, STARTED_HW, DEAD, HEARTBEATS, RECOVER_LOCK, STREAM_TICK, LEASES, RESUMING, WORKER_QUEUES,
+    LORA_ADAPTERS, LORA_ERRORS,
 )  # fmt: skip
 
 

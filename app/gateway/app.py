@@ -21,7 +21,7 @@ from weightq.settings import Settings
 from weightq.tasks.contract import JobFailed
 from weightq.tasks.request import RequestError
 
-from . import openai_api, openai_routes, tgi_api, tgi_routes
+from . import lora_routes, openai_api, openai_routes, tgi_api, tgi_routes
 from .core import VERSION, Gateway
 from .errors import HTTPError, error_response
 from .guard import Guard
@@ -65,6 +65,7 @@ def create_app(settings: Settings | None = None, url: str | None = None) -> Fast
         return error_response(request.url.path, HTTPError(503, f"queue unavailable: {e}", None, "unavailable"))
 
     openai_routes.register(app, gw)
+    lora_routes.register(app, gw)
     tgi_routes.register(app, gw)
 
     @app.get("/live")

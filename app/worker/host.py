@@ -19,6 +19,7 @@ from weightq.tasks.contract import HEARTBEATS
 from weightq.tasks.request import JobRequest, RequestError
 
 from . import loops
+from .adapters import AdapterSync, adapters_loop
 from .affinity import Affinity, steal_loop
 from .inflight import InFlight
 from .intake import Intake, intake_loop
@@ -98,6 +99,7 @@ class WorkerHost:
                     return
 
         self.affinity.register()
+        lora = s.enable_lora or bool(s.lora_modules)  # adapters follow the pool's (LORA_ADAPTERS)
         for name, loop in (
             ("renew", renew),
             ("reap", reap),
@@ -107,6 +109,7 @@ class WorkerHost:
             ("recover", recover),
             ("heartbeat", lambda: loops.heartbeat_loop(r, self.hostname, self.stats, stop)),
             ("steal", lambda: steal_loop(self.affinity, self.room, lambda: not len(self.inflight), stop)),
+            *([("adapters", lambda: adapters_loop(AdapterSync(r, self.engine, self.hostname), stop))] if lora else []),
         ):
             self._threads.append(loops.run_guarded(name, loop, stop))
 

@@ -30,6 +30,8 @@ def engine_config(s: Settings) -> EngineConfig:
         sim_step_cost=s.sim_step_cost,
         prefix_cache=s.prefix_cache,
         lora_modules=s.lora_modules,
+        enable_lora=s.enable_lora,
+        max_lora_rank=s.max_lora_rank,
         priority_headroom=s.priority_headroom,
         compile=s.compile,  # type: ignore[arg-type]
         torch_threads=s.torch_threads,

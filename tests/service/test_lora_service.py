@@ -60,3 +60,52 @@ def test_adapters_are_listed_served_by_name_and_unknown_ones_refused(service, ti
             assert e.field == "model"
     finally:
         gateway.stop()
+
+
+def test_adapters_load_and_unload_at_run_time_for_the_whole_pool(service, tiny_path, tmp_path):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, behind the key: every live worker
+    follows, and one started later loads what was loaded before it."""
+    bob = make_adapter(tiny_path, tmp_path / "bob", 4, 12)
+    first = service.worker("w1@test", enable_lora=1, compile="off")
+    gateway = GatewayProcess(service.url, tmp_path, api_key=KEY, rate_limit_per_s=0, max_concurrent_per_client=0)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    try:
+        first.wait_ready()
+        gateway.wait_ready()
+        post = lambda path, body, headers=auth: httpx.post(gateway.base + path, json=body, headers=headers, timeout=60)  # noqa: E731
+        assert post("/v1/load_lora_adapter", {"lora_name": "bob", "lora_path": str(bob)}, {}).status_code == 401
+        bad = post("/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(tmp_path / "missing")})
+        assert bad.status_code == 400 and "w1@test" in bad.json()["error"]["message"]
+        ok = post("/v1/load_lora_adapter", {"lora_name": "bob", "lora_path": str(bob)})
+        assert ok.status_code == 200 and "added successfully" in ok.text
+        again = post("/v1/load_lora_adapter", {"lora_name": "bob", "lora_path": str(bob)})
+        assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+        second = service.worker("w2@test", enable_lora=1, compile="off")  # started later: loads bob too
+        second.wait_ready()
+        second.wait_stats(lambda s: s.get("adapters") == ["bob"])
+
+        oai = openai.OpenAI(base_url=gateway.base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        ids = [5, 99, 610, 23]
+        local = Engine(
+            EngineConfig(model=str(tiny_path), compile="off", max_batch_weight=8192, lora_modules=f"bob={bob}")
+        )
+        params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+        want = local.generate([GenerationRequest("b", prompt_token_ids=ids, adapter="bob", params=params)])[0]
+        for _ in range(4):  # both workers serve it
+            out = oai.completions.create(
+                model="bob", prompt=ids, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+            )
+            assert out.choices[0].text == want.text
+
+        gone = post("/v1/unload_lora_adapter", {"lora_name": "bob"})
+        assert gone.status_code == 200 and "removed successfully" in gone.text
+        assert post("/v1/unload_lora_adapter", {"lora_name": "bob"}).status_code == 404
+        models = httpx.get(gateway.base + "/v1/models", headers=auth).json()["data"]
+        assert [m["id"] for m in models] == ["builtin:tiny"]
+        try:
+            oai.completions.create(model="bob", prompt=ids, max_tokens=4)
+            raise AssertionError("an unloaded adapter was served")
+        except openai.BadRequestError as e:
+            assert e.body["param"] == "model"
+    finally:
+        gateway.stop()

@@ -1,0 +1,77 @@
+"""Loading and unloading LoRA adapters at run time, as vLLM's server does (`/v1/load_lora_adapter`,
+`/v1/unload_lora_adapter`, behind the API key), but for the whole pool: the request writes the pool's
+wish (LORA_ADAPTERS), every worker follows within a second (app/worker/adapters.py), and the answer
+comes once a live worker serves the adapter (or stops serving it), or with the reason a worker gave."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse
+from weightq.tasks.contract import LORA_ADAPTERS, LORA_ERRORS
+from weightq.tasks.limits import ID_PATTERN
+
+from .core import Gateway
+from .errors import HTTPError
+
+WAIT_S = 30.0  # how long a load or unload waits for the workers to follow
+
+
+def register(app: FastAPI, gw: Gateway) -> None:
+    @app.post("/v1/load_lora_adapter")
+    async def load(request: Request) -> PlainTextResponse:
+        body = await gw.intake.body(request)
+        name, path = _name(body), body.get("lora_path") if isinstance(body, dict) else None
+        if not isinstance(path, str) or not path:
+            raise HTTPError(400, "lora_path: must be the adapter's directory or hub id", "lora_path")
+        if name in _serving(gw):
+            raise HTTPError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        r = gw.client.redis
+        await asyncio.to_thread(lambda: (r.hdel(LORA_ERRORS, name), r.hset(LORA_ADAPTERS, name, path)))
+        if not gw.workers():
+            return PlainTextResponse(f"LoRA adapter '{name}' will be loaded by the workers as they start.")
+        loop = asyncio.get_running_loop()
+        end = loop.time() + WAIT_S
+        while loop.time() < end:
+            if name in _serving(gw):
+                return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+            why = await asyncio.to_thread(r.hget, LORA_ERRORS, name)
+            if why is not None:
+                await asyncio.to_thread(r.hdel, LORA_ADAPTERS, name)  # the pool does not keep wanting it
+                raise HTTPError(400, f"LoRA adapter '{name}' could not be loaded: {why.decode()}", "lora_path")
+            await asyncio.sleep(0.2)
+        raise HTTPError(504, f"LoRA adapter '{name}': no worker has loaded it within {WAIT_S:.0f} s", None, "timeout")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload(request: Request) -> PlainTextResponse:
+        body = await gw.intake.body(request)
+        name = _name(body)
+        r = gw.client.redis
+        wanted = await asyncio.to_thread(r.hget, LORA_ADAPTERS, name)
+        if name not in _serving(gw) and not wanted:
+            raise HTTPError(404, f"The lora adapter '{name}' cannot be found.", "lora_name", "not_found")
+        await asyncio.to_thread(r.hset, LORA_ADAPTERS, name, "")
+        loop = asyncio.get_running_loop()
+        end = loop.time() + WAIT_S
+        while name in _serving(gw) and loop.time() < end:
+            await asyncio.sleep(0.2)
+        if name in _serving(gw):
+            raise HTTPError(
+                504, f"LoRA adapter '{name}': a worker still serves it after {WAIT_S:.0f} s", None, "timeout"
+            )
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+def _name(body: object) -> str:
+    name = body.get("lora_name") if isinstance(body, dict) else None
+    if not isinstance(name, str) or not ID_PATTERN.match(name):
+        raise HTTPError(
+            400, "lora_name: must be 1-128 characters of letters, digits, '.', '_', ':' or '-'", "lora_name"
+        )
+    return name
+
+
+def _serving(gw: Gateway) -> set[str]:
+    """The adapters live workers serve now (their heartbeats, read afresh)."""
+    return {a for w in gw.workers().values() for a in w.get("adapters", ())}
