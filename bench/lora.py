@@ -15,7 +15,8 @@ figure for vLLM's CPU build (`enable_lora`, eager) on the same model, adapters a
 venv (bench/peer_lora_vllm.py). Reported: each
 tok/s, mixed_vs_base (the issue's figure, target >= 0.7) and mixed_vs_base_lora_engine; greedy_equal:
 whether each mixed request's tokens equal the same engine's run of that request alone (batching never
-changes an adapter's output); the adapters' weight taken from the budget.
+changes an adapter's output); the slots allocated, each one's weight and bytes, and the weight they took
+from the budget.
 """
 
 from __future__ import annotations
@@ -101,8 +102,9 @@ def main() -> None:
         "mixed_vs_base": round(med["mixed"] / med["base"], 3),
         "mixed_vs_base_lora_engine": round(med["mixed"] / med["base_lora_engine"], 3),
         "greedy_equal_mixed_vs_alone": equal,
+        "slots": lora.batcher.adapters.capacity, "slot_weight": lora.batcher.adapters.slot_weight,
+        "slot_bytes": lora.runner.lora.slot_bytes,
         "adapter_weight_taken": plain.batcher.budget + 200 * args.adapters * args.rank - lora.batcher.budget,
-        "adapter_bytes_each": lora.runner.lora.adapters[names[0]].nbytes,
     }  # fmt: skip
     if args.vllm:
         out["vllm"] = vllm_side(adapters, work, args.rank, weight, args.rounds)

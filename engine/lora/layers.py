@@ -1,7 +1,8 @@
 """Many LoRA adapters in one forward pass: every linear layer of the model gets the delta of each
-request's adapter on that request's rows only, the base rows untouched: x @ A_all^T (every adapter's A
-stacked), masked to each row's own adapter's slot, @ B_all: two matmuls per layer whatever the mix (a
-gathered LoRA matmul, not one batch per adapter; a loop over the adapters present cost 3x at 8).
+request's adapter on that request's rows only, the base rows untouched. The step's rows of each adapter
+present are gathered into one batch row (padded to the longest), then two batched matmuls with the
+present slots' A and B (a gathered LoRA matmul, not one batch per adapter). A loop over the adapters
+cost 3x at 8 adapters; multiplying every row by every slot's A, masked, cost the whole stack's FLOPs.
 
 Under torch.compile the delta is one opaque op per layer (like paged attention's, attention/paged.py)
 that reads the step's rows from the runner's context, so a step's mix of adapters changes no graph.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -40,10 +42,9 @@ class LoraLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():  # the add is fused with what follows; an op adding in place was slower
             return y + torch.ops.weightq.lora_delta(x, self.index, self.out_features)
-        segments = getattr(_step, "segments", None)
-        if not segments:
+        if not getattr(_step, "segments", None):
             return y
         return y + _delta(x, self.index, self.out_features)
 
@@ -72,7 +73,9 @@ class Resident:
                 self._index[name] = len(self.stacks)
                 self.targets[name] = module
                 w = module.weight
-                self.stacks.append((w.new_zeros(0, module.in_features), w.new_zeros(0, module.out_features)))
+                self.stacks.append(
+                    (w.new_zeros(0, rank, module.in_features), w.new_zeros(0, rank, module.out_features))
+                )
                 setattr(model.get_submodule(parent) if parent else model, child, LoraLinear(module, self._index[name]))
 
     @property
@@ -121,26 +124,26 @@ class Resident:
         """(Engine thread) copy `name`'s weights into `slot`, growing the stacks when it is new."""
         if slot >= self.capacity:
             self._grow(slot + 1)
-        adapter, r = self.host[name], self.rank
+        adapter = self.host[name]
         for owner in [n for n, s in self.slots.items() if s == slot]:
             del self.slots[owner]
             if owner not in self.accepting:
                 self.host.pop(owner, None)
         self.slots[name] = slot
         for module, i in self._index.items():
-            a_cat, b_cat = self.stacks[i]
-            a_cat[slot * r : (slot + 1) * r] = 0
-            b_cat[slot * r : (slot + 1) * r] = 0
+            a_stack, b_stack = self.stacks[i]
+            a_stack[slot] = 0
+            b_stack[slot] = 0
             if module in adapter.weights:
                 a, b = adapter.weights[module]
-                a_cat[slot * r : slot * r + a.shape[0]] = a.to(a_cat.device)
-                b_cat[slot * r : slot * r + a.shape[0]] = b.t().to(b_cat.device)
+                a_stack[slot, : a.shape[0]] = a.to(a_stack.device)
+                b_stack[slot, : a.shape[0]] = b.t().to(b_stack.device)
 
     def _grow(self, capacity: int) -> None:
-        for i, (a_cat, b_cat) in enumerate(self.stacks):
-            a_new = a_cat.new_zeros(capacity * self.rank, a_cat.shape[1])
-            b_new = b_cat.new_zeros(capacity * self.rank, b_cat.shape[1])
-            a_new[: a_cat.shape[0]], b_new[: b_cat.shape[0]] = a_cat, b_cat
+        for i, (a_stack, b_stack) in enumerate(self.stacks):
+            a_new = a_stack.new_zeros(capacity, self.rank, a_stack.shape[2])
+            b_new = b_stack.new_zeros(capacity, self.rank, b_stack.shape[2])
+            a_new[: a_stack.shape[0]], b_new[: b_stack.shape[0]] = a_stack, b_stack
             self.stacks[i] = (a_new, b_new)
         self.capacity = capacity
 
@@ -149,23 +152,38 @@ class Resident:
         """The stacks' memory (capacity x slot_bytes): what the budget has given up for adapters."""
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.stacks)
 
-    def step_view(
-        self, segments: list[tuple[str, torch.Tensor]], rows: int, like: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """(the slots of the adapters present, or None when all are; [rows, present x rank]: 1 where a
-        row's adapter's slot is, 0 elsewhere, the base's rows all 0). Only the present adapters' slots
-        are multiplied: a step's cost follows its mix, not how many adapters are resident."""
-        present = sorted(self.slots[name] for name, _ in segments)
-        where = {slot: i for i, slot in enumerate(present)}
-        m = like.new_zeros(rows, len(present), self.rank)
-        for name, idx in segments:
-            m[idx, where[self.slots[name]]] = 1
-        chosen = None if len(present) == self.capacity else torch.tensor(present, device=like.device)
-        return chosen, m.view(rows, -1)
+    def step_view(self, segments: list[tuple[str, list[int]]], num_rows: int, device: torch.device) -> StepView:
+        """How this step's adapter rows go through the stacks: each slot's rows gathered into a row of
+        [slots, longest, in] (padded with row 0), so every layer's delta is two batched matmuls, each
+        row multiplied only by its own adapter; the padding lands on a spare row past the step's. Every
+        slot, or only the present ones' (copied out of the stacks) when the padding would cost more.
+        (Every row times every slot's A, masked to its own, was slower even for decode steps: the
+        stack's FLOPs.)"""
+        mine = {self.slots[name]: rows for name, rows in segments}
+        longest = max(len(rows) for rows in mine.values())
+        every = (self.capacity - len(mine)) * longest <= len(mine) * self.rank
+        order = list(range(self.capacity)) if every else sorted(mine)
+        gather: list[int] = []
+        rows: list[int] = []
+        for slot in order:
+            got = mine.get(slot, [])
+            gather += got + [0] * (longest - len(got))
+            rows += got + [num_rows] * (longest - len(got))
+        as_t = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+        return StepView(None if every else as_t(order), as_t(gather), as_t(rows), len(order), longest)
+
+
+@dataclass(frozen=True, slots=True)
+class StepView:
+    slots: torch.Tensor | None  # the slots multiplied (None: every slot, in order)
+    gather: torch.Tensor  # [slots x longest] rows of the step, each slot's padded to the longest
+    rows: torch.Tensor  # where each lands: its row, or the spare row past the step's for the padding
+    present: int
+    longest: int
 
 
 @contextmanager
-def lora_context(resident: Resident | None, segments: list[tuple[str, torch.Tensor]]) -> Iterator[None]:
+def lora_context(resident: Resident | None, segments: list[tuple[str, list[int]]]) -> Iterator[None]:
     """The step's rows of each adapter (`segments`), for every LoraLinear of the forward inside."""
     _step.resident, _step.segments, _step.view = resident, segments, None
     try:
@@ -175,18 +193,20 @@ def lora_context(resident: Resident | None, segments: list[tuple[str, torch.Tens
 
 
 def _delta(x: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
+    """Each adapter row's delta, (x[row] @ A^T) @ B of its adapter; zeros at the base's rows."""
     resident: Resident = _step.resident
-    a_cat, b_cat = resident.stacks[index]
+    a_stack, b_stack = resident.stacks[index]  # [capacity, rank, in], [capacity, rank, out]
     flat = x.reshape(-1, x.shape[-1])
+    n = flat.shape[0]
     view = getattr(_step, "view", None)
-    if view is None or view[1].shape[0] != flat.shape[0]:  # once per step: every layer shares it
-        _step.view = view = resident.step_view(_step.segments, flat.shape[0], flat)
-    chosen, mask = view
-    if chosen is not None:  # only the slots of the adapters in this step
-        r = resident.rank
-        a_cat = a_cat.view(-1, r, a_cat.shape[1]).index_select(0, chosen).view(-1, a_cat.shape[1])
-        b_cat = b_cat.view(-1, r, b_cat.shape[1]).index_select(0, chosen).view(-1, b_cat.shape[1])
-    return ((flat @ a_cat.t()) * mask @ b_cat).view(*x.shape[:-1], out_features)
+    if view is None:  # once per step: every layer shares it
+        _step.view = view = resident.step_view(_step.segments, n, flat.device)
+    if view.slots is not None:
+        a_stack, b_stack = a_stack.index_select(0, view.slots), b_stack.index_select(0, view.slots)
+    xg = flat.index_select(0, view.gather).view(view.present, view.longest, flat.shape[1])
+    delta = torch.bmm(torch.bmm(xg, a_stack.transpose(1, 2)), b_stack).view(-1, out_features)
+    out = flat.new_zeros(n + 1, out_features).index_copy_(0, view.rows, delta)
+    return out[:n].view(*x.shape[:-1], out_features)
 
 
 @torch.library.custom_op("weightq::lora_delta", mutates_args=())

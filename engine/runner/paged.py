@@ -37,7 +37,7 @@ class ModelRunner(PagedMemory):
     ) -> None:
         self.model = model
         self.lora = lora  # installed in the model before it is compiled
-        self._segments: list[tuple[str, torch.Tensor]] = []
+        self._segments: list[tuple[str, list[int]]] = []
         self.compiled = compiled
         self.asynchronous = device.type == "cuda"  # kernels queue; the sampler's read waits for them
         self._timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
@@ -112,7 +112,7 @@ class ModelRunner(PagedMemory):
 
     def _adapter_rows(
         self, prefill: list[Work], decode: list[Work], q_starts: list[int], first: int
-    ) -> list[tuple[str, torch.Tensor]]:
+    ) -> list[tuple[str, list[int]]]:
         """Each adapter's rows of the packed step (the base's rows are left out)."""
         rows: dict[str, list[int]] = {}
         for w, q_start in zip(prefill, q_starts, strict=True):
@@ -121,7 +121,7 @@ class ModelRunner(PagedMemory):
         for i, w in enumerate(decode):
             if name := w.seq.request.adapter:
                 rows.setdefault(name, []).append(first + i)
-        return [(name, torch.tensor(r, dtype=torch.long, device=self.device)) for name, r in rows.items()]
+        return list(rows.items())
 
     @torch.inference_mode()
     def forward(self, prefill: list[Work], decode: list[Work]) -> torch.Tensor:
