@@ -75,6 +75,9 @@ def main() -> None:
     weight = sum(len(ids) + n for ids, n in work) + 16 * len(work)
     adapters = make_adapters(Path(tempfile.mkdtemp(prefix="weightq-lora-")), args.adapters, args.rank)
     spec = ",".join(f"{k}={v}" for k, v in adapters.items())
+    # vLLM first, while this process holds no engine (started beside two compiled engines, its core
+    # process failed to initialise once)
+    peer = vllm_side(adapters, work, args.rank, weight, args.rounds) if args.vllm else None
     plain = Engine(EngineConfig(max_batch_weight=weight, max_total_tokens=512))
     lora = Engine(EngineConfig(max_batch_weight=weight + 200 * args.adapters * args.rank, max_total_tokens=512,
                                lora_modules=spec))  # fmt: skip
@@ -106,8 +109,8 @@ def main() -> None:
         "slot_bytes": lora.runner.lora.slot_bytes,
         "adapter_weight_taken": plain.batcher.budget + 200 * args.adapters * args.rank - lora.batcher.budget,
     }  # fmt: skip
-    if args.vllm:
-        out["vllm"] = vllm_side(adapters, work, args.rank, weight, args.rounds)
+    if peer is not None:
+        out["vllm"] = peer
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
 
 
@@ -124,7 +127,8 @@ def vllm_side(adapters: dict[str, str], work, rank: int, kv_tokens: int, rounds:
     run = subprocess.run([str(python), str(script), str(spec)], capture_output=True, text=True, timeout=3600)
     lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
     if run.returncode or not lines:
-        return {"error": (run.stderr or run.stdout)[-1500:]}
+        errors = [line for line in run.stderr.splitlines() if "Error" in line or "error" in line]
+        return {"error": "\n".join(errors[-12:]) or run.stderr[-1500:]}
     return json.loads(lines[-1])
 
 

@@ -27,6 +27,7 @@ CLIENT_FIELDS = {  # job field -> what a client sent
     "logprobs": "parameters.top_n_tokens",
     "prompt_logprobs": "parameters.decoder_input_details",
     "guided": "parameters.grammar",
+    "adapter": "parameters.adapter_id",
 }
 
 
@@ -57,7 +58,6 @@ def job_request(body: object, stream: bool = False) -> tuple[dict, dict]:
         ("truncate", (None,)),
         ("typical_p", (None,)),
         ("watermark", (None, False)),
-        ("adapter_id", (None,)),
     ):
         _refuse_unless(params, name, allowed)
     job: dict = {"prompt": inputs}
@@ -96,6 +96,8 @@ def job_request(body: object, stream: bool = False) -> tuple[dict, dict]:
         job["prompt_logprobs"] = 0
     if params.get("stop"):
         job["stop"] = params["stop"]
+    if params.get("adapter_id") is not None:  # TGI's multi-LoRA: the adapter's name (README: LoRA)
+        job["adapter"] = params["adapter_id"]
     return job, params
 
 

@@ -51,6 +51,13 @@ def test_adapters_are_listed_served_by_name_and_unknown_ones_refused(service, ti
         except openai.BadRequestError as e:
             assert e.body["param"] == "model" and "LoRA adapters: ada" in e.body["message"]
 
+        text = local.generate(
+            [GenerationRequest("t", prompt="LoRA says", adapter="ada", params=SamplingParams(max_new_tokens=8))]
+        )[0]
+        body = {"inputs": "LoRA says", "parameters": {"adapter_id": "ada", "max_new_tokens": 8}}
+        tgi = httpx.post(gateway.base + "/generate", headers={"Authorization": f"Bearer {KEY}"}, json=body, timeout=60)
+        assert tgi.status_code == 200 and tgi.json()["generated_text"] == text.text  # TGI's multi-LoRA parameter
+
         job = service.client.submit(prompt_token_ids=ids, adapter="ada", max_new_tokens=12, ignore_eos=True)
         assert job.result(timeout=60)["text"] == want["ada"].text
         try:
