@@ -294,12 +294,14 @@ return string.format('%.17g', s)
 # background work in the engine), then up to ARGV[6] more of the urgent classes whose tenant is not
 # among ARGV[7..] (those holding an equal share of the engine or more), the first such among the next
 # LIGHT_SCAN of the class (past a heavy tenant's jobs at its head): the batcher lets such a job in by
-# preempting the heaviest tenant's newest requests. Each release moves v of its source and class to its
-# start tag (never back). Atomic: a job is never out of Redis. KEYS: the destination's 10 lists, the 10
-# lists whose messages count as waiting for this worker (the destination's, or the shared queue's too),
-# then per source its fair hash and its 10 staged sets. ARGV: any, urgent, last urgent priority index,
-# sources, whether the destination's waiting messages count against `any`, light, whether to count the
-# waiting messages even if nothing is released, heavy tenants... Returns {released, messages waiting in
+# preempting the heaviest tenant's newest requests; those beyond the room go to the consuming end of
+# their list, ahead of what the room let in before (Celery takes them next). Each release moves v of its
+# source and class to its start tag (never back). Atomic: a job is never out of Redis. KEYS: the
+# destination's 10 lists, the 10 lists whose messages count as waiting for this worker (the
+# destination's, or the shared queue's too), then per source its fair hash and its 10 staged sets.
+# ARGV: any, urgent, last urgent priority index, sources, whether the destination's waiting messages
+# count against `any`, light, whether to count the waiting messages even if nothing is released, heavy
+# tenants... Returns {released, messages waiting in
 # the lists of both (0, uncounted, when nothing was released, no urgent job may go, and ARGV[7] is 0)}.
 LIGHT_SCAN = 32  # staged jobs RELEASE looks through for a light tenant's, beyond the room
 RELEASE = """
@@ -313,6 +315,7 @@ if ARGV[5] == '1' then
   if any < 0 then any = 0 end
 end
 local released = 0
+local beyond = {}
 local staged_any = {}
 for s = 0, sources - 1 do
   staged_any[s] = tonumber(redis.call('HGET', KEYS[21 + s * 11], 'n') or '0') > 0
@@ -322,7 +325,7 @@ for p = 0, 9 do
     local base = 20 + s * 11
     local fair, staged = KEYS[base + 1], KEYS[base + 2 + p]
     while staged_any[s] and (any > 0 or (p <= last and (urgent > 0 or light > 0))) do
-      local member, tag
+      local member, tag, past = nil, nil, any == 0
       if any > 0 or (p <= last and urgent > 0) then
         local head = redis.call('ZRANGE', staged, 0, 0, 'WITHSCORES')
         if #head == 0 then break end
@@ -342,12 +345,20 @@ for p = 0, 9 do
       local space = string.find(member, ' ', 1, true)
       redis.call('ZREM', staged, member)
       redis.call('HINCRBY', fair, 'n', -1)
-      redis.call('LPUSH', KEYS[1 + p], string.sub(member, space + 1))
+      if past then  -- beyond the room: taken before what waits in the list (pushed at its consuming end below)
+        beyond[p] = beyond[p] or {}
+        table.insert(beyond[p], string.sub(member, space + 1))
+      else
+        redis.call('LPUSH', KEYS[1 + p], string.sub(member, space + 1))
+      end
       local v = tonumber(redis.call('HGET', fair, 'v:' .. p) or '0')
       if tonumber(tag) > v then redis.call('HSET', fair, 'v:' .. p, tag) end
       released = released + 1
     end
   end
+end
+for p, jobs in pairs(beyond) do
+  for i = #jobs, 1, -1 do redis.call('RPUSH', KEYS[1 + p], jobs[i]) end
 end
 local waiting = 0
 -- counted only when something may have gone beyond the room: an idle worker's look stays two reads

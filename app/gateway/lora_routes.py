@@ -27,9 +27,12 @@ def register(app: FastAPI, gw: Gateway) -> None:
             raise HTTPError(400, "lora_path: must be the adapter's directory or hub id", "lora_path")
         if name in _serving(gw):
             raise HTTPError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        workers = gw.workers()
+        if workers and not any(w.get("lora") for w in workers.values()):
+            raise HTTPError(400, "no live worker serves LoRA adapters (start them with ENABLE_LORA=1)", "lora_name")
         r = gw.client.redis
         await asyncio.to_thread(lambda: (r.hdel(LORA_ERRORS, name), r.hset(LORA_ADAPTERS, name, path)))
-        if not gw.workers():
+        if not workers:
             return PlainTextResponse(f"LoRA adapter '{name}' will be loaded by the workers as they start.")
         loop = asyncio.get_running_loop()
         end = loop.time() + WAIT_S

@@ -95,6 +95,7 @@ def engine_stats(engine: Engine) -> dict:
         "occupied_s": round(meter.occupied_s(), 3),
         "model": engine.config.model,
         "structured": engine.grammars.available,  # can serve `guided` (xgrammar installed)
+        "lora": engine.runner.lora is not None,  # serves LoRA adapters (loaded at run time too)
         "adapters": engine.runner.lora.adapters if engine.runner.lora is not None else [],  # LoRA, by name
         "adapter_errors": dict(engine.adapters.errors),  # run-time loads that failed, and why
         "attention": engine.backend,

@@ -82,8 +82,10 @@ def test_a_light_tenants_job_goes_beyond_the_room_past_a_heavy_tenants_job_at_th
     for i in range(1, 5):
         stage(r, "q", f"flood{i}", "A", 80)
     r.zincrby(staged_sets("q")[4], 1, "B light0")  # strictly behind the head, whatever the tie-break
-    out = release("q", ["q"], 0, light=2, heavy=("A",))
-    assert (out.jobs, taken(r, "q")) == (1, ["light0"])  # B's only job; A's head stays staged
+    r.lpush(priority_queues("q")[4], "let in before")  # released within the room earlier, not taken yet
+    out = release("q", ["q"], 0, light=2, heavy=("A",), count_waiting=False)
+    # B's only job (A's head stays staged), taken next: ahead of what the room let in before
+    assert (out.jobs, taken(r, "q")) == (1, ["light0", "let in before"])
     assert release("q", ["q"], 1).jobs == 1 and taken(r, "q") == ["flood0"]
     for i in range(40):  # beyond the scan: a light job behind more than LIGHT_SCAN heavy ones waits for room
         stage(r, "q", f"more{i}", "A", 80)

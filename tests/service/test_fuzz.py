@@ -121,6 +121,8 @@ ROUTES = {
     "/generate": {"inputs", "parameters"},
     "/generate_stream": {"inputs", "parameters"},
     "/": {"inputs", "parameters", "stream"},
+    "/v1/load_lora_adapter": {"lora_name", "lora_path"},
+    "/v1/unload_lora_adapter": {"lora_name"},
 }
 raw_bodies = st.one_of(
     st.binary(max_size=200),
