@@ -119,6 +119,10 @@ class Gateway:
         except redis.RedisError:
             return {}
 
+    def adapters(self) -> set[str]:
+        """The LoRA adapters live workers serve now (their heartbeats, read afresh)."""
+        return {a for w in self.workers().values() for a in w.get("adapters", ())}
+
     async def submit(self, job: JobRequest) -> str:
         return await self.submitter.submit(job)
 

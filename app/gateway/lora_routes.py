@@ -25,7 +25,7 @@ def register(app: FastAPI, gw: Gateway) -> None:
         name, path = _name(body), body.get("lora_path") if isinstance(body, dict) else None
         if not isinstance(path, str) or not path:
             raise HTTPError(400, "lora_path: must be the adapter's directory or hub id", "lora_path")
-        if name in _serving(gw):
+        if name in gw.adapters():
             raise HTTPError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
         workers = gw.workers()
         if workers and not any(w.get("lora") for w in workers.values()):
@@ -37,7 +37,7 @@ def register(app: FastAPI, gw: Gateway) -> None:
         loop = asyncio.get_running_loop()
         end = loop.time() + WAIT_S
         while loop.time() < end:
-            if name in _serving(gw):
+            if name in gw.adapters():
                 return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
             why = await asyncio.to_thread(r.hget, LORA_ERRORS, name)
             if why is not None:
@@ -52,14 +52,14 @@ def register(app: FastAPI, gw: Gateway) -> None:
         name = _name(body)
         r = gw.client.redis
         wanted = await asyncio.to_thread(r.hget, LORA_ADAPTERS, name)
-        if name not in _serving(gw) and not wanted:
+        if name not in gw.adapters() and not wanted:
             raise HTTPError(404, f"The lora adapter '{name}' cannot be found.", "lora_name", "not_found")
         await asyncio.to_thread(r.hset, LORA_ADAPTERS, name, "")
         loop = asyncio.get_running_loop()
         end = loop.time() + WAIT_S
-        while name in _serving(gw) and loop.time() < end:
+        while name in gw.adapters() and loop.time() < end:
             await asyncio.sleep(0.2)
-        if name in _serving(gw):
+        if name in gw.adapters():
             raise HTTPError(
                 504, f"LoRA adapter '{name}': a worker still serves it after {WAIT_S:.0f} s", None, "timeout"
             )
@@ -73,8 +73,3 @@ def _name(body: object) -> str:
             400, "lora_name: must be 1-128 characters of letters, digits, '.', '_', ':' or '-'", "lora_name"
         )
     return name
-
-
-def _serving(gw: Gateway) -> set[str]:
-    """The adapters live workers serve now (their heartbeats, read afresh)."""
-    return {a for w in gw.workers().values() for a in w.get("adapters", ())}

@@ -34,7 +34,7 @@ def register(app: FastAPI, gw: Gateway) -> None:
         """The base model and the LoRA adapters live workers hold (their `parent`: the base), as vLLM lists them."""
         base = {"id": gw.model, "object": "model", "created": 0, "owned_by": "weightq"}
         base |= {"root": gw.model, "parent": None}
-        adapters = sorted({a for w in gw.workers().values() for a in w.get("adapters", ())})  # as of now
+        adapters = sorted(gw.adapters())  # as of now: an unload is seen at once
         return {"object": "list", "data": [base, *({**base, "id": a, "root": a, "parent": gw.model} for a in adapters)]}
 
     async def completions(request: Request, chat: bool) -> Response:

@@ -79,8 +79,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._generator = torch.Generator().manual_seed(cfg.seed)
-        # A compiled runner compiles its shapes now, before anyone is served (on a fresh thread: see above).
         self.adapters = AdapterControl(self.runner.lora, next(self.lm.model.parameters()).dtype, cfg.allow_download)
+        # A compiled runner compiles its shapes now, before anyone is served (on a fresh thread: see above).
         self.warmup_s = on_fresh_thread(lambda: warm_up(self)) if self.runner.compiled else 0.0
 
     # ----- caller side (any thread) ---------------------------------------------------------------
