@@ -105,7 +105,8 @@ class Admission:
                 budget -= res.margin(res.variance(cand))
             if -b.order[cand.id][0] < b.config.headroom_priority:
                 budget -= b.headroom
-        budget -= b.adapters.extra_weight(cand.adapter)  # one more adapter slot, if its adapter needs one
+        if cand.adapter:  # one more adapter slot, if its adapter needs one (no call on the base's path)
+            budget -= b.adapters.extra_weight(cand.adapter)
         self.budget = budget - b.paging.pinned * b.weight.block_size
         return budget
 
