@@ -150,8 +150,8 @@ def connect(url: str, settings: Settings, **kw) -> redis.Redis:
 
 
 def connect_streams(settings: Settings, broker_url: str | None = None, **kw) -> redis.Redis:
-    """A client of the Redis that holds the token streams and job state: STREAMS_REDIS_URL, else the
-    broker's (`broker_url`, default REDIS_URL)."""
+    """A client of the token plane's home (the heartbeats, leases and LoRA keys): STREAMS_REDIS_URL's
+    first server, else the broker's (`broker_url`, default REDIS_URL). A job's keys: TokenPlane."""
     return connect(settings.resolved_streams_url(broker_url), settings, **kw)
 
 
@@ -166,7 +166,8 @@ def _master_for(sentinel_class, url: str, settings: Settings, **kw):
     t = parse_sentinel(url)
     sentinel = sentinel_class(list(t.sentinels), sentinel_kwargs=_sentinel_kwargs(settings))
     # STREAMS_REDIS_URL may name another group, watched by the same sentinels or others
-    master = settings.streams_master() if url == settings.streams_redis_url else settings.redis_sentinel_master
+    shards = settings.streams_urls() if settings.streams_redis_url else []
+    master = settings.streams_master() if url in shards else settings.redis_sentinel_master
     return sentinel.master_for(master, db=t.db, username=t.username, password=t.password, **kw)
 
 

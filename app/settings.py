@@ -32,6 +32,7 @@ class Settings(BaseSettings):
     redis_url: str = ""  # empty: the embedded Redis (its URL is recorded under WEIGHTQ_HOME)
     # The token plane (streams, job state: every weightq:* key) on a Redis of its own, so that Celery's
     # broker (REDIS_URL) and the streams each get a server's core; empty: REDIS_URL. Same URL forms.
+    # A comma-separated list shards it: each job's keys on one server (tasks/contract.py: shard_of).
     streams_redis_url: str = ""
     streams_sentinel_master: str = ""  # a sentinel:// STREAMS_REDIS_URL's group (empty: REDIS_SENTINEL_MASTER)
     model: str = "builtin:tiny"
@@ -158,6 +159,14 @@ class Settings(BaseSettings):
             raise ValueError(f"a queue name may not contain {STAGED_MARK!r}: it names staged jobs")
         return value
 
+    @field_validator("streams_redis_url")
+    @classmethod
+    def _shards(cls, value: str) -> str:
+        urls = [u.strip() for u in value.split(",") if u.strip()]
+        if len(set(urls)) != len(urls):
+            raise ValueError("a server is listed twice: each shard of the token plane is a Redis of its own")
+        return value
+
     @field_validator("trusted_proxies")
     @classmethod
     def _addresses(cls, value: str) -> str:
@@ -210,8 +219,14 @@ class Settings(BaseSettings):
         return "redis://127.0.0.1:6379/0"
 
     def resolved_streams_url(self, broker_url: str | None = None) -> str:
-        """STREAMS_REDIS_URL, else the broker's URL (`broker_url`, default REDIS_URL resolved)."""
-        return self.streams_redis_url or broker_url or self.resolved_redis_url()
+        """The token plane's home: STREAMS_REDIS_URL's first server, else the broker's URL
+        (`broker_url`, default REDIS_URL resolved)."""
+        return self.streams_urls(broker_url)[0]
+
+    def streams_urls(self, broker_url: str | None = None) -> list[str]:
+        """The token plane's shards, home first: STREAMS_REDIS_URL's list, else the broker's URL."""
+        listed = [u.strip() for u in self.streams_redis_url.split(",") if u.strip()]
+        return listed or [broker_url or self.resolved_redis_url()]
 
     def streams_master(self) -> str:
         """The Sentinel group of the streams' Redis (the broker's when it is the same server)."""

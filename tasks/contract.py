@@ -1,9 +1,12 @@
 """The job contract: how a client, the gateway and a worker meet in Redis. Readers and the writer
 import it; nothing else spells a key, an entry type or the task name.
 
-Keys (all expire; see Settings), every one on the token plane's Redis (STREAMS_REDIS_URL, else REDIS_URL):
-the Lua scripts below touch them together, so they never span two servers; Celery's own keys (the
-queue's lists, unacked messages, results) stay on the broker's (REDIS_URL).
+Keys (all expire; see Settings), every one on the token plane's Redis (STREAMS_REDIS_URL, else REDIS_URL);
+Celery's own keys (the queue's lists, unacked messages, results) stay on the broker's (REDIS_URL).
+STREAMS_REDIS_URL may list several servers (shards): a job's stream and hash live on `shard_of(id)`,
+beside that shard's own QUEUED, STARTED_HW, RESUMING, DEAD, engine-jobs and held sets, lease copies
+and STREAM_TICK, so every Lua script below runs on one server; the pool's keys (heartbeats, leases,
+worker queues, LoRA, the recovery lock) live on the first, the home (app/token_plane.py).
   weightq:stream:{id}  a Redis Stream of the job's entries, oldest first:
       {"type": "attempt", "attempt": n, "from": k}       written first by every run of the job: it
                                                          resumes after the k tokens already in the stream
@@ -44,6 +47,7 @@ The task `TASK_NAME` takes a request's JSON (tasks/request.py: `JobRequest.to_js
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -95,6 +99,13 @@ SINGLETONS = (
     CANCEL_CHANNEL, QUEUED, STARTED_HW, DEAD, HEARTBEATS, RECOVER_LOCK, STREAM_TICK, LEASES, RESUMING, WORKER_QUEUES,
     LORA_ADAPTERS, LORA_ERRORS,
 )  # fmt: skip
+
+
+def shard_of(job_id: str, shards: int) -> int:
+    """The token-plane shard that holds the job's keys (of STREAMS_REDIS_URL's list): a hash of its id,
+    so that every client, gateway and worker finds it from the id alone. CRC32, as Redis Cluster's
+    slots use a CRC: stable across processes and Python versions, unlike hash()."""
+    return zlib.crc32(job_id.encode()) % shards if shards > 1 else 0
 
 
 def stream_key(job_id: str) -> str:

@@ -183,11 +183,10 @@ class BatchRun:
         """Record every in-flight job that has ended; with wait, sleep briefly if none has."""
         self.check_stop()
         ids = list(self.inflight)
-        pipe = self.client.redis.pipeline(transaction=False)
-        for job_id in ids:
-            pipe.hmget(job_key(job_id), "state", "result", "error", "field")
+        fields = ("state", "result", "error", "field")
+        states = self.client.plane.each(ids, lambda pipe, j: pipe.hmget(job_key(j), *fields))
         ended = 0
-        for job_id, (state, result, error, fld) in zip(ids, pipe.execute(), strict=True):
+        for job_id, (state, result, error, fld) in zip(ids, states, strict=True):
             if state not in (b"done", b"cancelled"):
                 continue
             ended += 1

@@ -22,7 +22,7 @@ from datetime import datetime
 
 import redis
 from weightq.celery_config import own_transport
-from weightq.redis_conn import Durable, connect, retrying
+from weightq.redis_conn import connect, retrying
 from weightq.settings import Settings
 from weightq.tasks.contract import (
     CANCEL,
@@ -49,6 +49,7 @@ from weightq.tasks.limits import BATCH_PRIORITY, BULK_JOBS, broker_priority
 from weightq.tasks.request import JobRequest, RequestError, parse_request
 from weightq.tasks.results import TokenLogprobs
 from weightq.tasks.sizes import job_weight
+from weightq.token_plane import TokenPlane
 from weightq.transport import TENANT_HEADER, WEIGHT_HEADER
 
 from .pressure import Backpressure
@@ -112,7 +113,7 @@ class Job:
     def events(self, timeout: float | None = None, last_id: str = "0-0") -> Iterator[StreamEvent]:
         """Every stream entry from `last_id` on, until the end (or error) entry. Raises JobNotFound
         for an id no job has, StreamExpired for a job that ended so long ago that its stream is gone."""
-        r = self.client.reader
+        r = self.client.readers.of(self.id)
         key = stream_key(self.id)
         waited = 0.0
         block_ms = 0  # the first read does not block: a stream not there yet is looked into at once
@@ -163,7 +164,7 @@ class Job:
 
     def _check_stream(self) -> None:
         """The stream is not there (yet): raise unless the job is still to start."""
-        pipe = self.client.reader.pipeline(transaction=False)
+        pipe = self.client.readers.of(self.id).pipeline(transaction=False)
         pipe.exists(stream_key(self.id))
         pipe.hget(job_key(self.id), "state")
         exists, state = pipe.execute()
@@ -178,7 +179,7 @@ class Job:
 
     def _stored_outcome(self) -> dict:
         """The ended job's result from its record; raises its error as the end entry would have."""
-        stored = decode_fields(self.client.reader.hgetall(job_key(self.id)))
+        stored = decode_fields(self.client.readers.of(self.id).hgetall(job_key(self.id)))
         if not stored:
             raise JobNotFound(f"no job {self.id!r}: its record expired (RESULT_TTL_S)")
         if "result" in stored:
@@ -191,7 +192,7 @@ class Job:
         Returns the state the job was in ("queued", "running", "done" or "cancelled")."""
         s = self.client.settings
         end = json.dumps(cancelled_result(self.id))
-        state = self.client.durable.run(
+        state = self.client.plane.durable(self.id).run(
             self.client.cancel_script,
             [job_key(self.id), stream_key(self.id), QUEUED],
             [s.stream_maxlen, s.stream_ttl_s, end, CANCEL_CHANNEL, self.id],
@@ -231,18 +232,20 @@ class Job:
 
 class Client:
     """`redis_url` is the broker's (default REDIS_URL); the jobs' state and streams are on
-    STREAMS_REDIS_URL's Redis when the settings name one, else on the broker's: `redis` and `reader`
-    reach them, `broker` the queue."""
+    STREAMS_REDIS_URL's Redis (or its shards) when the settings name one, else on the broker's: `plane`
+    and `readers` (for blocking reads) reach them, `redis` the plane's home (heartbeats), `broker` the
+    queue."""
 
     def __init__(self, redis_url: str | None = None, *, settings: Settings | None = None) -> None:
         self.settings = settings or Settings.from_env()
         url = redis_url or self.settings.resolved_redis_url()
-        self.url, self.streams_url = url, self.settings.resolved_streams_url(url)
-        self.redis = connect(self.streams_url, self.settings, socket_timeout=30)
+        self.url, self.streams_urls = url, self.settings.streams_urls(url)
+        self.streams_url = self.streams_urls[0]  # the plane's home
+        self.plane = TokenPlane.connect(self.settings, url, socket_timeout=30)
+        self.redis = self.plane.home
         # XREAD blocks up to 1 s: keep the socket timeout well above it (see FACTS: redis-py 8).
-        self.reader = connect(self.streams_url, self.settings, socket_timeout=30)
+        self.readers = TokenPlane.connect(self.settings, url, socket_timeout=30)
         self.broker = self.redis if self.streams_url == url else connect(url, self.settings, socket_timeout=30)
-        self.durable = Durable(self.redis, self.settings.redis_wait_replicas, self.settings.redis_wait_timeout_ms)
         self.backpressure = Backpressure(self.redis, self.broker, self.settings)
         self.submit_script = self.redis.register_script(SUBMIT)
         self.cancel_script = self.redis.register_script(CANCEL)
@@ -306,16 +309,18 @@ class Client:
         wire = [job.to_json() for job in jobs]
         now = repr(time.time())
         s = self.settings
-        calls = [
-            ([job_key(job_id), QUEUED], [json.dumps(r), now, s.result_ttl_s, job_id, job.tenant])
-            for job_id, r, job in zip(ids, wire, jobs, strict=True)
-        ]
+        calls: dict[int, list] = {}
+        for job_id, r, job in zip(ids, wire, jobs, strict=True):
+            call = ([job_key(job_id), QUEUED], [json.dumps(r), now, s.result_ttl_s, job_id, job.tenant])
+            calls.setdefault(self.plane.index(job_id), []).append(call)
         # The request is kept with the job so that a worker can re-send a job whose message is lost
         # (app/worker/recovery.py): once this write is in, the job is accepted.
         # A restart or failover is waited out (REDIS_RETRY_S): once the job is recorded, giving up on its
         # message would leave it to the lost-job sweep. As with any broker, a publish retried after a
         # lost reply may deliver a message twice: delivery is at least once.
-        retrying(lambda: self.durable.run_many(self.submit_script, calls), s.redis_retry_s, pause_s=0.2)
+        for shard, shard_calls in calls.items():  # a retry re-runs a shard's calls: SUBMIT is idempotent
+            run = self.plane.durables[shard].run_many
+            retrying(lambda run=run, c=shard_calls: run(self.submit_script, c), s.redis_retry_s, pause_s=0.2)
         queues = retrying(lambda: self.router.queues(jobs), s.redis_retry_s, pause_s=0.2)
         retrying(lambda: self._publish(ids, jobs, wire, queues), s.redis_retry_s, pause_s=0.2)
         return [Job(self, job_id) for job_id in ids]

@@ -79,7 +79,8 @@ def create_app(settings: Settings | None = None, url: str | None = None) -> Fast
         """Readiness: the gateway can take jobs (its Redis answers). Not on the workers: with none
         (scaled to zero) jobs must still be taken, so that the queue grows and an autoscaler adds one."""
         try:
-            gw.client.redis.ping()
+            for shard in gw.client.plane.shards:
+                shard.ping()
             gw.client.broker.ping()
         except redis.RedisError as e:
             return JSONResponse({"status": "redis unreachable", "error": str(e)}, status_code=503)
@@ -90,7 +91,8 @@ def create_app(settings: Settings | None = None, url: str | None = None) -> Fast
         """For people and load balancers that route only to a stack that can answer now: 503 without
         a live worker. (Kubernetes: /live and /ready.)"""
         try:
-            gw.client.redis.ping()
+            for shard in gw.client.plane.shards:  # the token plane's servers
+                shard.ping()
             gw.client.broker.ping()  # the same server unless STREAMS_REDIS_URL is set
         except redis.RedisError as e:
             return JSONResponse({"status": "redis unreachable", "error": str(e)}, status_code=503)

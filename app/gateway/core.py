@@ -84,13 +84,14 @@ class Gateway:
     # ----- plumbing -----------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
-        self.hub = StreamHub(self.client.streams_url, self.settings)
+        self.hub = StreamHub(self.client.streams_urls, self.settings)
         await self.hub.start()
         # Ready: what is alive now (libraries, routes) goes to the permanent generation, so full
         # collections scan only what requests create (as the worker does: engine/heap.py).
         gc.collect()
         gc.freeze()
-        streams = "" if self.client.streams_url == self.url else f", streams on {redacted(self.client.streams_url)}"
+        shards = self.client.streams_urls
+        streams = "" if shards == [self.url] else f", streams on {', '.join(map(redacted, shards))}"
         log.info("weightq gateway: Redis %s%s, model %s", redacted(self.url), streams, self.model)
         try:
             yield
@@ -98,8 +99,9 @@ class Gateway:
             await self.hub.close()
 
     def _llen(self, key: str) -> float:
+        """The length of a list every shard of the token plane keeps, summed."""
         try:
-            return float(self.client.redis.llen(key))
+            return float(sum(shard.llen(key) for shard in self.client.plane.shards))
         except redis.RedisError:
             return float("nan")
 
@@ -208,7 +210,8 @@ class Gateway:
         job_id, _, last_id = resume.partition("/")
         if not ID_PATTERN.match(job_id) or not STREAM_ID.match(last_id):
             raise HTTPError(400, "Last-Event-ID must be '<job id>/<entry id>' as sent in the stream", "Last-Event-ID")
-        state, tenant = await asyncio.to_thread(self.client.redis.hmget, job_key(job_id), ["state", "tenant"])
+        hmget = self.client.plane.of(job_id).hmget
+        state, tenant = await asyncio.to_thread(hmget, job_key(job_id), ["state", "tenant"])
         owner = tenant.decode() if tenant is not None else LOCAL_TENANT  # a job from before tenants: local
         if state is None or owner != job.tenant:  # another tenant's job is as unknown as an expired one
             raise HTTPError(404, f"job {job_id} is unknown or expired", "Last-Event-ID", "not_found_error")

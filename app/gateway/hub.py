@@ -7,6 +7,8 @@ followed stream. A follower that registers while the hub waits is picked up on t
 wait is short), and it reads from its own `last_id`, so nothing written before it registered is missed.
 A stream may have several followers (a client resuming a stream that is still live): the hub reads it
 from the earliest of their positions and gives each what lies past its own.
+With a sharded token plane (STREAMS_REDIS_URL lists several servers) the hub reads each shard in a
+loop of its own, over a connection of its own, and a follower joins the shard its job lives on.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 import redis.asyncio as aredis
 from weightq.redis_conn import connect_async, raw_xread, xread_streams
 from weightq.settings import Settings
-from weightq.tasks.contract import STREAM_TICK, is_end, stream_key
+from weightq.tasks.contract import STREAM_TICK, is_end, shard_of, stream_key
 
 log = logging.getLogger(__name__)
 
@@ -32,20 +34,29 @@ class _Follower:
     seen: float  # loop time of its registration or last entry
 
 
+@dataclass(slots=True, eq=False)
+class _Shard:
+    redis: aredis.Redis
+    followers: dict[str, list[_Follower]]  # by stream key
+    wake: asyncio.Event
+
+
 class StreamHub:
-    def __init__(self, url: str, settings: Settings, *, block_ms: int = 20, count: int = 256) -> None:
-        self.redis: aredis.Redis = connect_async(url, settings, socket_timeout=30, health_check_interval=10)
-        raw_xread(self.redis)
+    def __init__(self, urls: list[str], settings: Settings, *, block_ms: int = 20, count: int = 256) -> None:
+        self._shards = [
+            _Shard(connect_async(url, settings, socket_timeout=30, health_check_interval=10), {}, asyncio.Event())
+            for url in urls
+        ]
+        for shard in self._shards:
+            raw_xread(shard.redis)
         self.block_ms = block_ms
         self.count = count
-        self._followers: dict[str, list[_Follower]] = {}  # by stream key
-        self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._closing = False
 
     async def start(self) -> None:
         self._tasks = [
-            asyncio.create_task(self._read_loop(), name="weightq-hub"),
+            *(asyncio.create_task(self._read_loop(s), name=f"weightq-hub-{n}") for n, s in enumerate(self._shards)),
             asyncio.create_task(self._watch_idle(), name="weightq-hub-idle"),
         ]
 
@@ -54,15 +65,17 @@ class StreamHub:
         swallowed there, and the read loop then waited on `_wake` for good (seen in tests); the flag
         ends the loops at their next turn either way."""
         self._closing = True
-        self._wake.set()
+        for shard in self._shards:
+            shard.wake.set()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.redis.aclose()
+        for shard in self._shards:
+            await shard.redis.aclose()
 
     @property
     def following(self) -> int:
-        return sum(len(fs) for fs in self._followers.values())
+        return sum(len(fs) for shard in self._shards for fs in shard.followers.values())
 
     async def follow_batches(
         self, job_id: str, last_id: str = "0-0", idle_timeout_s: float | None = None
@@ -75,8 +88,9 @@ class StreamHub:
         key = stream_key(job_id)
         queue: asyncio.Queue = asyncio.Queue()
         me = _Follower(last_id, queue, idle_timeout_s, asyncio.get_running_loop().time())
-        self._followers.setdefault(key, []).append(me)
-        self._wake.set()
+        shard = self._shards[shard_of(job_id, len(self._shards))]
+        shard.followers.setdefault(key, []).append(me)
+        shard.wake.set()
         try:
             while True:
                 batch = [await queue.get()]
@@ -92,17 +106,17 @@ class StreamHub:
                         return
                 yield batch
         finally:
-            others = [f for f in self._followers.get(key, ()) if f is not me]
+            others = [f for f in shard.followers.get(key, ()) if f is not me]
             if others:
-                self._followers[key] = others
+                shard.followers[key] = others
             else:
-                self._followers.pop(key, None)
+                shard.followers.pop(key, None)
 
     async def _watch_idle(self) -> None:
         """Ends with TimeoutError every follower that heard nothing for its idle timeout."""
         loop = asyncio.get_running_loop()
         while not self._closing:
-            followers = [f for fs in self._followers.values() for f in fs]
+            followers = [f for shard in self._shards for fs in shard.followers.values() for f in fs]
             timeouts = [f.idle_s for f in followers if f.idle_s is not None]
             await asyncio.sleep(max(0.01, min(0.5, *(t / 4 for t in timeouts))) if timeouts else 0.5)
             now = loop.time()
@@ -111,34 +125,34 @@ class StreamHub:
                     f.idle_s = None  # told once
                     f.queue.put_nowait(TimeoutError())
 
-    async def _read_loop(self) -> None:
+    async def _read_loop(self, shard: _Shard) -> None:
         """Reads every followed stream, then waits for the next batch a worker writes (its STREAM_TICK entry)
         or block_ms, whichever comes first: entries that other writers add without a tick (a client's
         cancel of a queued job, a task's attempt marker) arrive within block_ms."""
         loop = asyncio.get_running_loop()
         tick = "0-0"
         while not self._closing:
-            if not self._followers:
-                self._wake.clear()
-                await self._wake.wait()
+            if not shard.followers:
+                shard.wake.clear()
+                await shard.wake.wait()
                 continue
-            streams = {key: min((f.last_id for f in fs), key=_position) for key, fs in self._followers.items()}
+            streams = {key: min((f.last_id for f in fs), key=_position) for key, fs in shard.followers.items()}
             try:
-                full = self._deliver(await self.redis.xread(streams, count=self.count), loop.time())
+                full = self._deliver(shard, await shard.redis.xread(streams, count=self.count), loop.time())
                 if not full:  # nothing left behind: wait for the next write
-                    woke = await self.redis.xread({STREAM_TICK: tick}, block=self.block_ms)
+                    woke = await shard.redis.xread({STREAM_TICK: tick}, block=self.block_ms)
                     for _, entries in xread_streams(woke):
                         tick = entries[-1][0].decode()
             except aredis.RedisError as e:  # Redis away: tell nobody yet, retry (followers time out on their own)
                 log.warning("stream hub: %s; retrying", e)
                 await asyncio.sleep(0.5)
 
-    def _deliver(self, resp, now: float) -> bool:
+    def _deliver(self, shard: _Shard, resp, now: float) -> bool:
         """Hands a raw XREAD reply to the followers; True when a stream had more than one read's worth."""
         full = False
         for raw_key, entries in xread_streams(resp):
             full = full or len(entries) >= self.count
-            followers = self._followers.get(raw_key.decode())
+            followers = shard.followers.get(raw_key.decode())
             if not followers:
                 continue
             if len(followers) == 1:

@@ -16,8 +16,9 @@ from celery.exceptions import ImproperlyConfigured
 from prometheus_client import CollectorRegistry, start_http_server
 from weightq.engine import AnyEngine, Engine, EngineProcess, freeze_startup_heap, own_process, serving_threads
 from weightq.metrics import EngineMetrics, WorkerCollector
-from weightq.redis_conn import Durable, connect, connect_streams
+from weightq.redis_conn import connect
 from weightq.settings import Settings
+from weightq.token_plane import TokenPlane
 
 from .host import WorkerHost
 from .lease import client_name, new_instance
@@ -66,15 +67,11 @@ class EngineStep(bootsteps.StartStopStep):
         # client reaches the broker's keys (the reaper's restores, the lease's re-stamps, recovery).
         broker_url = settings.resolved_redis_url()
         named = {"socket_timeout": 30, "health_check_interval": 10, "client_name": client_name(instance)}
-        client = connect_streams(settings, broker_url, max_connections=settings.concurrency + 16, **named)
+        plane = TokenPlane.connect(settings, broker_url, max_connections=settings.concurrency + 16, **named)
         split = settings.resolved_streams_url(broker_url) != broker_url
-        broker = connect(broker_url, settings, **named) if split else client
+        broker = connect(broker_url, settings, **named) if split else plane.home
         publisher = StreamPublisher(
-            client,
-            maxlen=settings.stream_maxlen,
-            ttl_s=settings.stream_ttl_s,
-            job_ttl_s=settings.result_ttl_s,
-            durable=Durable(client, settings.redis_wait_replicas, settings.redis_wait_timeout_ms),
+            plane, maxlen=settings.stream_maxlen, ttl_s=settings.stream_ttl_s, job_ttl_s=settings.result_ttl_s
         )
         publisher.metrics = EngineMetrics()
         config = engine_config(settings)
@@ -84,7 +81,7 @@ class EngineStep(bootsteps.StartStopStep):
             engine = EngineProcess(config, sink=publisher, on_death=_exit_worker)
         else:
             engine = Engine(config, sink=publisher)
-        self.host = host = WorkerHost(settings, engine, publisher, client, worker.hostname, instance, broker)
+        self.host = host = WorkerHost(settings, engine, publisher, plane, worker.hostname, instance, broker)
         worker.app.weightq_host = host
         host.app = worker.app
         engine.start()

@@ -17,6 +17,7 @@ from weightq.engine import AnyEngine
 from weightq.settings import Settings
 from weightq.tasks.contract import HEARTBEATS
 from weightq.tasks.request import JobRequest, RequestError
+from weightq.token_plane import TokenPlane
 
 from . import loops
 from .adapters import AdapterSync, adapters_loop
@@ -40,26 +41,27 @@ class WorkerHost:
         settings: Settings,
         engine: AnyEngine,
         publisher: StreamPublisher,
-        client: redis.Redis,
+        plane: TokenPlane,
         hostname: str,
         instance: str | None = None,
         broker: redis.Redis | None = None,
     ) -> None:
         self.settings, self.engine, self.publisher = settings, engine, publisher
-        # `client` reaches the streams and job state, `broker` Celery's keys (the same server unless
-        # STREAMS_REDIS_URL is set)
-        self.redis, self.broker, self.hostname = client, broker or client, hostname
+        # `plane` reaches the streams and job state (its home: the pool's keys), `broker` Celery's keys
+        # (the same server unless STREAMS_REDIS_URL is set)
+        client = plane.home
+        self.plane, self.redis, self.broker, self.hostname = plane, client, broker or client, hostname
         self.instance = instance or new_instance(hostname)  # its Redis connections carry it (lease.py)
         self.inflight = InFlight()
         self.stopping = threading.Event()  # warm shutdown began: cancelled jobs go back to the queue
         self._stop = threading.Event()  # the loops end
-        self.jobs = JobRunner(settings, engine, publisher, client, hostname, self.inflight, self.instance)
+        self.jobs = JobRunner(settings, engine, publisher, plane, hostname, self.inflight, self.instance)
         publisher.on_write_failed = engine.cancel  # a job whose stream Redis refuses stops generating
         self.consumer: Any = None  # Celery's consumer, once it exists (leases and prefetch)
         self.app: Any = None  # the Celery app (to re-send lost jobs)
-        self.sweeper = LostJobSweeper(settings, client, self.broker, hostname, lambda: self.app)
-        self.lease = WorkerLease(client, settings, hostname, self.instance)
-        self.reaper = Reaper(client, self.broker, settings, self.instance)
+        self.sweeper = LostJobSweeper(settings, plane, self.broker, hostname, lambda: self.app)
+        self.lease = WorkerLease(plane, settings, hostname, self.instance)
+        self.reaper = Reaper(plane, self.broker, settings, self.instance)
         self.affinity = Affinity(client, self.broker, settings, hostname, self.instance)  # its own queue (AFFINITY)
         self.intake = Intake(self.broker, settings, hostname)  # what it takes from the queue, and when
         publisher.on_superseded = engine.cancel  # a job resumed elsewhere: stop this run of it
@@ -103,7 +105,7 @@ class WorkerHost:
         for name, loop in (
             ("renew", renew),
             ("reap", reap),
-            ("cancel", lambda: loops.cancel_loop(r, self.engine, self.inflight, stop)),
+            ("cancel", lambda: loops.cancel_loop(self.plane.shards, self.engine, self.inflight, stop)),
             ("lease", lambda: loops.lease_loop(self.broker, s, self.inflight, consumer, stop)),
             ("intake", lambda: intake_loop(self.intake, self.engine, self.inflight, consumer, self.stopping, stop)),
             ("recover", recover),

@@ -16,7 +16,7 @@ import redis
 from celery.exceptions import Ignore, Reject
 from weightq.engine import AnyEngine, GenerationRequest
 from weightq.engine.params import TokenLogprobs
-from weightq.redis_conn import Durable, retrying
+from weightq.redis_conn import retrying
 from weightq.settings import Settings
 from weightq.tasks.contract import (
     BEGIN,
@@ -42,6 +42,7 @@ from weightq.tasks.contract import (
 from weightq.tasks.generate import RequestRefused
 from weightq.tasks.request import JobRequest
 from weightq.tasks.results import TokenLogprobs as StreamedLogprobs
+from weightq.token_plane import TokenPlane
 
 from .inflight import Closed, InFlight
 from .publisher import SHUTDOWN, StreamPublisher
@@ -67,17 +68,17 @@ class JobRunner:
         settings: Settings,
         engine: AnyEngine,
         publisher: StreamPublisher,
-        client: redis.Redis,
+        plane: TokenPlane,
         hostname: str,
         inflight: InFlight,
         instance: str,
     ) -> None:
         self.settings, self.engine, self.publisher = settings, engine, publisher
-        self.redis, self.hostname, self.inflight, self.instance = client, hostname, inflight, instance
-        self.durable = Durable(client, settings.redis_wait_replicas, settings.redis_wait_timeout_ms)
-        self._begin = client.register_script(BEGIN)
-        self._fail = client.register_script(FAIL)
-        self._requeue_script = client.register_script(REQUEUE)
+        self.plane, self.hostname, self.inflight, self.instance = plane, hostname, inflight, instance
+        # each runs on the shard of its job's keys (a Script takes any client)
+        self._begin = plane.home.register_script(BEGIN)
+        self._fail = plane.home.register_script(FAIL)
+        self._requeue_script = plane.home.register_script(REQUEUE)
         self._lock = threading.Lock()
         self._runs: dict[str, threading.Event] = {}  # job id -> set when its run here ends
         self._begun: dict[str, int] = {}  # job id -> the attempt of its run here that raised (fail() fences it)
@@ -91,7 +92,7 @@ class JobRunner:
             # A second delivery of a job this worker is running (a restored message after a broker
             # reconnect): never run it twice; answer with the first run's outcome.
             original.wait()
-            stored = self.redis.hget(job_key(job_id), "result")
+            stored = self.plane.of(job_id).hget(job_key(job_id), "result")
             if stored is None:
                 raise GenerationFailed(f"job {job_id} failed in its first run on {self.hostname}")
             return json.loads(stored)
@@ -112,7 +113,7 @@ class JobRunner:
         s = self.settings
         run_id = uuid.uuid4().hex  # makes a retried BEGIN a no-op (tasks/contract.py)
         attempt, stored, *started = self.retrying(
-            lambda: self.durable.run(
+            lambda: self.plane.durable(job_id).run(
                 self._begin,
                 [
                     *(job_key(job_id), stream_key(job_id), QUEUED, STARTED_HW, DEAD),
@@ -143,7 +144,8 @@ class JobRunner:
         if attempt == -2:  # finished before, redelivered before its ack: the same outcome again
             if stored:
                 return json.loads(stored)
-            error = self.retrying(lambda: self.redis.hget(job_key(job_id), "error"))  # it ended with an error
+            # it ended with an error
+            error = self.retrying(lambda: self.plane.of(job_id).hget(job_key(job_id), "error"))
             error = error.decode() if isinstance(error, bytes) else error
             raise GenerationFailed(error or "it failed in an earlier run")
         self._begun[job_id] = attempt = int(attempt)
@@ -202,22 +204,22 @@ class JobRunner:
         self.publisher.annotations[job_id] = extra
         self.publisher.fences[job_id] = attempt
         written = self.publisher.expect(job_id)
-        key = engine_jobs_key(self.instance)
-        self.retrying(lambda: self.redis.pipeline().sadd(key, job_id).expire(key, 86_400).execute())
+        key, shard = engine_jobs_key(self.instance), self.plane.of(job_id)  # the shard's own set (reaper.py)
+        self.retrying(lambda: shard.pipeline().sadd(key, job_id).expire(key, 86_400).execute())
         try:
             final = self.engine.submit(request).result()
             return final, written.wait(self.settings.redis_retry_s)
         finally:
             self.publisher.fences.pop(job_id, None)
             with contextlib.suppress(redis.RedisError):  # a stale member is never charged (reaper.py)
-                self.redis.srem(key, job_id)
+                shard.srem(key, job_id)
 
     def _emitted(self, job_id: str, spec: JobRequest, expected: int) -> tuple[Emitted, list | None]:
         """What earlier runs of the job emitted, from its stream (the new run's prefix), and their
         log-probabilities as streamed (when the request asks for them)."""
         if not expected:
             return Emitted(), None
-        entries = self.retrying(lambda: self.redis.xrange(stream_key(job_id)))
+        entries = self.retrying(lambda: self.plane.of(job_id).xrange(stream_key(job_id)))
         try:
             emitted = emitted_tokens([decode_fields(f) for _, f in entries])
         except ValueError as e:
@@ -239,7 +241,7 @@ class JobRunner:
         since = time.time() - s.lost_job_grace_s - 1
         keys = [job_key(job_id), QUEUED, stream_key(job_id)]
         args = [since, job_id, json.dumps(result), s.stream_maxlen, s.stream_ttl_s, attempt]
-        return int(self.durable.run(self._requeue_script, keys, args))
+        return int(self.plane.durable(job_id).run(self._requeue_script, keys, args))
 
     def fail(self, job_id: str, message: str, field: str = "") -> None:
         """End the job with an error entry and state done, once (a no-op for a job already done): a
@@ -248,7 +250,7 @@ class JobRunner:
         s = self.settings
         attempt = self._begun.pop(job_id, "")
         self.retrying(
-            lambda: self.durable.run(
+            lambda: self.plane.durable(job_id).run(
                 self._fail,
                 [job_key(job_id), stream_key(job_id), QUEUED],
                 [s.stream_maxlen, s.stream_ttl_s, s.result_ttl_s, message, field, job_id, attempt],

@@ -5,15 +5,18 @@ same name is another instance). Every LEASE_TTL_S / 4 it renews `weightq:lease:{
 after LEASE_TTL_S), lists itself in `weightq:leases` and updates `weightq:held:{instance}`, the
 delivery tags of the messages it holds. Its Redis connections carry the instance in their client
 name, so a worker whose lease lapsed while it is paused (a long GC pause, a stalled step, SIGSTOP)
-still shows as connected, unlike a dead one (reaper.py)."""
+still shows as connected, unlike a dead one (reaper.py).
+
+The lease itself lives on the token plane's home; with several shards each also keeps the list of
+instances and their held tags, because BEGIN (run on the shard of the job's keys) reads them there."""
 
 from __future__ import annotations
 
 import uuid
 
-import redis
 from weightq.settings import Settings
 from weightq.tasks.contract import LEASES, held_key, lease_key
+from weightq.token_plane import TokenPlane
 
 CLIENT_PREFIX = "weightq-worker:"  # a worker's Redis connections are named this and its instance
 
@@ -28,8 +31,8 @@ def client_name(instance: str) -> str:
 
 
 class WorkerLease:
-    def __init__(self, client: redis.Redis, settings: Settings, hostname: str, instance: str) -> None:
-        self.redis, self.hostname, self.instance = client, hostname, instance
+    def __init__(self, plane: TokenPlane, settings: Settings, hostname: str, instance: str) -> None:
+        self.plane, self.hostname, self.instance = plane, hostname, instance
         self.ttl_ms = max(1, int(settings.lease_ttl_s * 1000))
         self.renew_s = settings.lease_ttl_s / 4
         self._held: set[str] = set()  # the tags as last written
@@ -38,13 +41,16 @@ class WorkerLease:
         """The lease for another LEASE_TTL_S, and the tags held now (those added or gone since the last
         renewal: BEGIN adds a started job's tag itself, which a renewal must not remove)."""
         key = held_key(self.instance)
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.set(lease_key(self.instance), self.hostname, px=self.ttl_ms)
-        pipe.hset(LEASES, self.instance, self.hostname)
-        if added := held - self._held:
-            pipe.sadd(key, *added)
-        if gone := self._held - held:
-            pipe.srem(key, *gone)
-        pipe.expire(key, 86_400)
-        pipe.execute()
+        added, gone = held - self._held, self._held - held
+        for shard in self.plane.shards:
+            pipe = shard.pipeline(transaction=True)
+            if shard is self.plane.home:
+                pipe.set(lease_key(self.instance), self.hostname, px=self.ttl_ms)
+            pipe.hset(LEASES, self.instance, self.hostname)
+            if added:
+                pipe.sadd(key, *added)
+            if gone:
+                pipe.srem(key, *gone)
+            pipe.expire(key, 86_400)
+            pipe.execute()
         self._held = held

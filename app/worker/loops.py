@@ -48,23 +48,27 @@ def run_guarded(name: str, loop: Callable[[], None], stop: threading.Event) -> t
     return t
 
 
-def cancel_loop(client: redis.Redis, engine: AnyEngine, inflight: InFlight, stop: threading.Event) -> None:
-    """Cancels arrive as a publish on CANCEL_CHANNEL (clients) or a Celery revoke (control)."""
+def cancel_loop(shards: list[redis.Redis], engine: AnyEngine, inflight: InFlight, stop: threading.Event) -> None:
+    """Cancels arrive as a publish on CANCEL_CHANNEL (clients; on the shard of the job's keys) or a
+    Celery revoke (control)."""
     from celery.worker import state
 
-    pubsub = client.pubsub(ignore_subscribe_messages=True)
-    pubsub.subscribe(CANCEL_CHANNEL)
+    subs = [client.pubsub(ignore_subscribe_messages=True) for client in shards]
     try:
+        for pubsub in subs:
+            pubsub.subscribe(CANCEL_CHANNEL)
         while not stop.is_set():
-            message = pubsub.get_message(timeout=0.05)
-            if message is not None:
-                data = message["data"]
-                engine.cancel(data.decode() if isinstance(data, bytes) else data)
+            for pubsub in subs:
+                message = pubsub.get_message(timeout=0.05 / len(subs))
+                if message is not None:
+                    data = message["data"]
+                    engine.cancel(data.decode() if isinstance(data, bytes) else data)
             for job_id in inflight.ids():
                 if job_id in state.revoked:
                     engine.cancel(job_id)
     finally:
-        pubsub.close()
+        for pubsub in subs:
+            pubsub.close()
 
 
 def lease_loop(client: redis.Redis, settings: Settings, inflight: InFlight, consumer: Callable[[], Any], stop) -> None:

@@ -28,6 +28,7 @@ from weightq.tasks.contract import (
     stream_key,
     writer_key,
 )
+from weightq.token_plane import TokenPlane
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +46,8 @@ class StreamPublisher:
     batch to a writer thread, so Redis round trips overlap the next forward pass.
     """
 
-    def __init__(
-        self, client: redis.Redis, *, maxlen: int, ttl_s: int, job_ttl_s: int = 86_400, durable: Durable | None = None
-    ) -> None:
-        self.client = client
-        self.durable = durable or Durable(client, 0, 0)
+    def __init__(self, plane: TokenPlane, *, maxlen: int, ttl_s: int, job_ttl_s: int = 86_400) -> None:
+        self.plane = plane
         self.maxlen = maxlen
         self.ttl_s = ttl_s
         self.job_ttl_s = job_ttl_s
@@ -70,8 +68,8 @@ class StreamPublisher:
         self.superseded: set[str] = set()  # jobs whose writes were refused so (a later run owns them)
         self.on_superseded: Callable[[str], None] | None = None  # told each such job once (to stop it)
         self._seq = 0
-        self._batch_script = client.register_script(WRITE_BATCH)
-        self._abort_script = client.register_script(ABORT)
+        self._batch_script = plane.home.register_script(WRITE_BATCH)  # run on each shard (Script takes a client)
+        self._abort_script = plane.home.register_script(ABORT)
         # job id -> why its stream could not be written: its entries are dropped from then on, the
         # job ends with an error (JobRunner reads this), and `on_write_failed` stops it in the engine
         self.failed: dict[str, str] = {}
@@ -170,7 +168,7 @@ class StreamPublisher:
                 keys = [job_key(job_id), stream_key(job_id)]
                 attempt = (self.fences if fences is None else fences).get(job_id, "")
                 args = [self.maxlen, self.ttl_s, self.job_ttl_s, message, attempt]
-                ended = self.durable.run(self._abort_script, keys, args)
+                ended = self.plane.durable(job_id).run(self._abort_script, keys, args)
             except redis.RedisError as e:
                 log.error("job %s: its error entry was refused too (%s)", job_id, e)
             if ended == 2:  # fenced off: a later run owns the job, so it is not this run's to end
@@ -184,10 +182,21 @@ class StreamPublisher:
         return entries_of(batch, self.failed, self.annotations, self.requeueing)
 
     def _apply(self, seq: int, entries: list[tuple], fences: dict[str, int] | None = None) -> None:
-        """One script call per batch, applied at most once: a retry after a lost reply (Redis
-        crashed after applying it) is a no-op instead of a second copy of every entry. `fences`: those
-        the batch was flushed with (None: the live table)."""
+        """One script call per batch and shard, applied at most once: a retry after a lost reply (Redis
+        crashed after applying it), or after another shard refused its part, is a no-op on a shard
+        that has it instead of a second copy of every entry. `fences`: those the batch was flushed
+        with (None: the live table)."""
         fenced = self.fences if fences is None else fences
+        if len(self.plane) == 1:
+            self._apply_on(self.plane.durables[0], seq, entries, fenced)
+            return
+        by_shard: dict[int, list[tuple]] = {}
+        for entry in entries:
+            by_shard.setdefault(self.plane.index(job_of_stream(entry[0])), []).append(entry)
+        for shard, part in by_shard.items():
+            self._apply_on(self.plane.durables[shard], seq, part, fenced)
+
+    def _apply_on(self, durable: Durable, seq: int, entries: list[tuple], fenced: dict[str, int]) -> None:
         keys = [self.writer_key, STREAM_TICK]
         index: dict[str, int] = {}
         fences: list = []
@@ -217,7 +226,7 @@ class StreamPublisher:
             for k, v in (state or {}).items():
                 args += [k, v]
         header = [self.maxlen, self.ttl_s, self.job_ttl_s, seq, len(fences) // 3, *fences]
-        for key in self.durable.run(self._batch_script, keys, header + args):
+        for key in durable.run(self._batch_script, keys, header + args):
             self._supersede((key.decode() if isinstance(key, bytes) else key).removeprefix(job_key("")))
 
     def _supersede(self, job_id: str) -> None:

@@ -23,6 +23,7 @@ import redis
 from kombu.transport import redis as kombu_redis
 from weightq.settings import Settings
 from weightq.tasks.contract import CHARGE, LEASES, RESUMING, engine_jobs_key, held_key, job_key, lease_key
+from weightq.token_plane import TokenPlane
 from weightq.transport import restore_unacked
 
 from .lease import CLIENT_PREFIX, client_name
@@ -31,16 +32,16 @@ log = logging.getLogger(__name__)
 
 
 class Reaper:
-    """`client` reaches the leases, the jobs and the worker connections that say who is alive (the
-    streams' Redis); `broker` the unacked messages it puts back (the same server unless
-    STREAMS_REDIS_URL is set). Charging comes first and the dead instance's records go last, so a
-    reaper that dies between the two servers' steps leaves the instance for the next one to finish."""
+    """`plane` reaches the jobs, and on its home the leases and the worker connections that say who
+    is alive (the streams' Redis); `broker` the unacked messages it puts back (the same server unless
+    STREAMS_REDIS_URL is set). Charging comes first, on each shard, and the dead instance's records go
+    last, so a reaper that dies between the servers' steps leaves the instance for the next one to finish."""
 
-    def __init__(self, client: redis.Redis, broker: redis.Redis, settings: Settings, instance: str) -> None:
-        self.redis, self.broker, self.instance = client, broker, instance
+    def __init__(self, plane: TokenPlane, broker: redis.Redis, settings: Settings, instance: str) -> None:
+        self.plane, self.redis, self.broker, self.instance = plane, plane.home, broker, instance
         self.interval_s = settings.lease_ttl_s / 4
         self.confirm_s = max(1.0, settings.lease_ttl_s / 2)
-        self._charge = client.register_script(CHARGE)
+        self._charge = plane.home.register_script(CHARGE)
         self._suspects: dict[str, float] = {}  # instance -> when it was first seen lapsed and unconnected
         self._client_list = True  # False once the server refused CLIENT LIST
 
@@ -89,24 +90,29 @@ class Reaper:
         if not old:
             return []
         instances = [i.decode() for i in r.hkeys(LEASES)]
-        live = set(r.sunion([held_key(i) for i in instances])) if instances else set()
+        keys = [held_key(i) for i in instances]
+        live = {t for shard in self.plane.shards for t in shard.sunion(keys)} if instances else set()
         return [t.decode() for t in old if t not in live]
 
     def reap(self, instance: str) -> list[str]:
         """Charge and release the dead instance's jobs, and put every message it held back (with the
         orphans: jobs among them that it had begun are released too)."""
-        r = self.redis
-        inside = {j.decode() for j in r.smembers(engine_jobs_key(instance))}
-        tags = [t.decode() for t in r.smembers(held_key(instance))] + self._orphans()
+        shards = self.plane.shards
+        inside = {j.decode() for shard in shards for j in shard.smembers(engine_jobs_key(instance))}
+        tags = sorted({t.decode() for shard in shards for t in shard.smembers(held_key(instance))}) + self._orphans()
         held = set()
         for raw in self.broker.hmget(kombu_redis.Channel.unacked_key, tags) if tags else []:
             if raw is not None:
                 held.add(kombu_redis.loads(kombu_redis.bytes_to_str(raw))[0].get("headers", {}).get("id"))
         jobs = sorted(inside) + sorted(held - inside - {None})
-        flags = [x for j in jobs for x in (int(j in inside), j)]
-        charged = self._charge(keys=[RESUMING, *(job_key(j) for j in jobs)], args=[instance, *flags])
+        charged = []
+        for shard, ids in self.plane.split(jobs).items():  # each shard charges the jobs it holds
+            flags = [x for j in ids for x in (int(j in inside), j)]
+            keys = [RESUMING, *(job_key(j) for j in ids)]
+            charged += self._charge(keys=keys, args=[instance, *flags], client=shards[shard])
         resumed = restore_unacked(self.broker, tags)
-        r.pipeline().delete(engine_jobs_key(instance), held_key(instance)).hdel(LEASES, instance).execute()
+        for shard in shards:
+            shard.pipeline().delete(engine_jobs_key(instance), held_key(instance)).hdel(LEASES, instance).execute()
         log.warning(
             "worker %s is dead: %d of its jobs go back to the queue, %d of them charged with the crash",
             instance,

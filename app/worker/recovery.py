@@ -26,6 +26,7 @@ from weightq.tasks.contract import (
     staged_sets,
 )
 from weightq.tasks.limits import DEFAULT_PRIORITY, MAX_PRIORITY, broker_priority
+from weightq.token_plane import TokenPlane
 from weightq.transport import priority_queues, waiting_by_priority
 
 from .affinity import own_queues
@@ -34,19 +35,21 @@ log = logging.getLogger(__name__)
 
 
 class LostJobSweeper:
-    """`client` reaches the jobs (the streams' Redis), `broker` the queue's lists and unacked messages
-    (the same server unless STREAMS_REDIS_URL is set): the sweep reads each apart and acts only on a
-    job missing from the broker in two sweeps in a row, so reading two servers at two moments is safe."""
+    """`plane` reaches the jobs (the streams' Redis, or its shards), `broker` the queue's lists and
+    unacked messages (the same server unless STREAMS_REDIS_URL is set): the sweep reads each apart and
+    acts only on a job missing from the broker in two sweeps in a row, so reading several servers at
+    several moments is safe. Each shard keeps its jobs' queued and resuming sets and the high-water
+    marks of the jobs started there: the sweep reads them all, the marks merged."""
 
     def __init__(
         self,
         settings: Settings,
-        client: redis.Redis,
+        plane: TokenPlane,
         broker: redis.Redis,
         hostname: str,
         celery_app: Callable[[], object],
     ) -> None:
-        self.settings, self.redis, self.broker, self.hostname = settings, client, broker, hostname
+        self.settings, self.plane, self.broker, self.hostname = settings, plane, broker, hostname
         self.celery_app = celery_app  # the worker's Celery app, once it exists
         self._suspects: set[str] = set()  # lost-looking jobs seen by the last sweep
 
@@ -57,30 +60,33 @@ class LostJobSweeper:
         list it waits behind holds a message: the broker takes the more urgent lists first and each
         list in order), and it is in neither the queue's lists nor the unacked messages in two sweeps
         in a row."""
-        r, s = self.redis, self.settings
-        if not r.set(RECOVER_LOCK, self.hostname, nx=True, ex=max(1, int(s.recover_interval_s))):
+        plane, s = self.plane, self.settings
+        if not plane.home.set(RECOVER_LOCK, self.hostname, nx=True, ex=max(1, int(s.recover_interval_s))):
             return []
         grace = time.time() - s.lost_job_grace_s
         lists = priority_queues(s.queue)  # lists[i] holds class MAX_PRIORITY - i
         lengths = waiting_by_priority(self.broker, [s.queue])[0]  # and its staged sets (FAIR_QUEUE)
-        marks = r.hgetall(STARTED_HW)
-        started = {int(k): float(v) for k, v in marks.items()}  # class -> latest submission started
+        started: dict[int, float] = {}  # class -> latest submission started (on any shard)
+        for shard in plane.shards:
+            for k, v in shard.hgetall(STARTED_HW).items():
+                started[int(k)] = max(float(v), started.get(int(k), 0.0))
         waiting = sum(lengths)
         cutoff = min(grace, max(started.values(), default=0.0)) if waiting else grace
-        old = r.zrangebyscore(QUEUED, "-inf", cutoff, start=0, num=500, withscores=True)
+        old = [
+            (raw_id.decode(), queued_at)
+            for shard in plane.shards
+            for raw_id, queued_at in shard.zrangebyscore(QUEUED, "-inf", cutoff, start=0, num=500, withscores=True)
+        ]
         # jobs a dead worker's reaper sent back and no run has begun since (their message may be lost)
-        resuming = sorted(j.decode() for j in r.srandmember(RESUMING, 500))
+        resuming = sorted(j.decode() for shard in plane.shards for j in shard.srandmember(RESUMING, 500))
         if not old and not resuming:
             self._suspects.clear()
             return []
-        pipe = r.pipeline(transaction=False)
-        for job_id, _ in old:
-            pipe.hmget(job_key(job_id.decode()), "state", "request")
+        states = plane.each([j for j, _ in old], lambda pipe, j: pipe.hmget(job_key(j), "state", "request"))
         queued = []
-        for (raw_id, queued_at), (state, request) in zip(old, pipe.execute(), strict=True):
-            job_id = raw_id.decode()
+        for (job_id, queued_at), (state, request) in zip(old, states, strict=True):
             if state != JobState.QUEUED.encode():
-                r.zrem(QUEUED, job_id)  # started (or expired) without BEGIN seeing it here
+                plane.of(job_id).zrem(QUEUED, job_id)  # started (or expired) without BEGIN seeing it here
                 continue
             cls = _priority_of(request)
             ahead = sum(lengths[: MAX_PRIORITY - cls + 1])  # messages of its class and more urgent ones
@@ -94,13 +100,13 @@ class LostJobSweeper:
             log.info("%d jobs look lost, but the queue is too long to scan now", len(queued))
             return []
         # a job may wait in a worker's own queue (prefix affinity) while later ones start elsewhere
-        own = list(own_queues(r, s.queue))
+        own = list(own_queues(plane.home, s.queue))
         present = self._present(queued, [*lists, *(k for q in own for k in priority_queues(q))], [s.queue, *own])
         missing = {j for j in queued if j not in present}
         lost, self._suspects = sorted(missing & self._suspects), missing - self._suspects
         app = self.celery_app()
         for job_id in lost:
-            raw = r.hget(job_key(job_id), "request")
+            raw = plane.of(job_id).hget(job_key(job_id), "request")
             if raw is None or app is None:
                 continue
             log.warning("job %s lost its message (a Redis or worker crash?): sending it again", job_id)
@@ -118,13 +124,10 @@ class LostJobSweeper:
 
     def _resuming(self, job_ids: list[str]) -> list[str]:
         """Those still running (their message should be in a list or unacked); the rest leave the set."""
-        pipe = self.redis.pipeline(transaction=False)
-        for job_id in job_ids:
-            pipe.hget(job_key(job_id), "state")
-        states = pipe.execute()
+        states = self.plane.each(job_ids, lambda pipe, j: pipe.hget(job_key(j), "state"))
         ended = [j for j, state in zip(job_ids, states, strict=True) if state != JobState.RUNNING.encode()]
-        if ended:
-            self.redis.srem(RESUMING, *ended)
+        for shard, gone in self.plane.split(ended).items():
+            self.plane.shards[shard].srem(RESUMING, *gone)
         return [j for j in job_ids if j not in ended]
 
     def _present(self, job_ids: list[str], lists: list[str], staging: list[str]) -> set[str]:

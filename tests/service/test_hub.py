@@ -28,7 +28,7 @@ def test_follower_gets_every_entry_through_the_end(redis_url):
     sync = redis.Redis.from_url(redis_url)
 
     async def main():
-        hub = StreamHub(redis_url, Settings(redis_url=redis_url))
+        hub = StreamHub([redis_url], Settings(redis_url=redis_url))
         await hub.start()
         try:
             reader = asyncio.create_task(collect(hub, "hub-a", idle_s=5))
@@ -49,7 +49,7 @@ def test_follower_gets_every_entry_through_the_end(redis_url):
 @pytest.mark.parametrize("idle_s", [0.4, 1.2])
 def test_silent_stream_times_out_near_its_idle_timeout(redis_url, idle_s):
     async def main():
-        hub = StreamHub(redis_url, Settings(redis_url=redis_url))
+        hub = StreamHub([redis_url], Settings(redis_url=redis_url))
         await hub.start()
         try:
             t0 = time.monotonic()

@@ -80,3 +80,29 @@ def test_the_streams_redis_is_the_brokers_unless_set_and_may_be_another_sentinel
     assert celery_config(split)["broker_url"] == broker  # Celery never sees the streams' Redis
     unnamed = Settings(redis_url=broker, streams_redis_url="sentinel://s2:26379/1", redis_sentinel_master="jobs")
     assert connect_streams(unnamed).connection_pool.service_name == "jobs"
+
+
+def test_a_listed_token_plane_is_sharded_by_job_id_home_first():
+    from collections import Counter
+
+    from weightq.tasks.contract import shard_of
+    from weightq.token_plane import TokenPlane
+
+    s = Settings(redis_url="redis://b:1/0", streams_redis_url=" redis://s0:1/0, redis://s1:1/0 ,redis://s2:1/0")
+    assert s.streams_urls() == ["redis://s0:1/0", "redis://s1:1/0", "redis://s2:1/0"]
+    assert s.resolved_streams_url() == "redis://s0:1/0"  # the home: heartbeats, leases, LoRA
+    assert Settings(redis_url="redis://b:1/0").streams_urls() == ["redis://b:1/0"]
+    with pytest.raises(ValueError, match="listed twice"):
+        Settings(streams_redis_url="redis://s0:1/0,redis://s0:1/0")
+    # the shard is a function of the id alone, the same in every process, spread evenly
+    ids = [f"job-{n}" for n in range(3000)]
+    spread = Counter(shard_of(j, 3) for j in ids)
+    assert set(spread) == {0, 1, 2} and min(spread.values()) > 900
+    assert shard_of("job-7", 1) == 0 and shard_of("job-7", 3) == shard_of("job-7", 3)
+    plane = TokenPlane.connect(s)
+    assert len(plane) == 3 and plane.home is plane.shards[0]
+    split = plane.split(ids[:50])
+    assert sorted(j for part in split.values() for j in part) == sorted(ids[:50])
+    assert all(plane.index(j) == n for n, part in split.items() for j in part)
+    assert plane.of("job-7") is plane.shards[shard_of("job-7", 3)]
+    assert plane.durable("job-7") is plane.durables[shard_of("job-7", 3)]

@@ -1,0 +1,71 @@
+"""The token plane's Redis servers: one, or several shards (STREAMS_REDIS_URL's comma-separated list).
+
+A job's stream and hash live on the shard its id hashes to (tasks/contract.py: `shard_of`), beside that
+shard's own index keys (queued, resuming, dead-lettered, started high-water marks, engine-jobs and held
+sets, a copy of the leases, the stream tick). So every Lua script of the contract runs on one server and
+stays atomic, a job's writes and reads go to one server, and each shard carries only its jobs' tokens:
+adding a shard adds its capacity. The pool's own keys (heartbeats, leases, worker queues, LoRA, the
+recovery lock) live on the first server, the home. Sharding by hashing the id, as Redis Cluster does by
+slot, needs no directory; the price is that the list must not change while jobs are in flight (a job's
+shard would move under it): add shards on a drained plane (README, "The token plane").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import redis
+from weightq.redis_conn import Durable, connect
+from weightq.settings import Settings
+from weightq.tasks.contract import shard_of
+
+
+class TokenPlane:
+    """Clients of each shard (home first), and the Durable writer of each (REDIS_WAIT_REPLICAS)."""
+
+    def __init__(self, clients: list[redis.Redis], settings: Settings) -> None:
+        if not clients:
+            raise ValueError("STREAMS_REDIS_URL: the token plane needs at least one Redis")
+        self.shards = clients
+        self.home = clients[0]
+        self.durables = [Durable(c, settings.redis_wait_replicas, settings.redis_wait_timeout_ms) for c in clients]
+
+    @classmethod
+    def connect(cls, settings: Settings, broker_url: str | None = None, **kw) -> TokenPlane:
+        return cls([connect(url, settings, **kw) for url in settings.streams_urls(broker_url)], settings)
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def index(self, job_id: str) -> int:
+        return shard_of(job_id, len(self.shards))
+
+    def of(self, job_id: str) -> redis.Redis:
+        """The client of the shard that holds the job's keys."""
+        return self.shards[shard_of(job_id, len(self.shards))]
+
+    def durable(self, job_id: str) -> Durable:
+        return self.durables[shard_of(job_id, len(self.shards))]
+
+    def split(self, job_ids: Iterable[str]) -> dict[int, list[str]]:
+        """The ids by shard index, each list in the order given."""
+        out: dict[int, list[str]] = {}
+        for job_id in job_ids:
+            out.setdefault(shard_of(job_id, len(self.shards)), []).append(job_id)
+        return out
+
+    def each(self, job_ids: Sequence[str], command: Callable[[Any, str], Any]) -> list:
+        """`command(pipeline, job_id)` for each job on its shard, one round trip per shard; the replies
+        in the order of `job_ids`."""
+        replies: list = [None] * len(job_ids)
+        positions: dict[int, list[int]] = {}
+        for n, job_id in enumerate(job_ids):
+            positions.setdefault(shard_of(job_id, len(self.shards)), []).append(n)
+        for shard, where in positions.items():
+            pipe = self.shards[shard].pipeline(transaction=False)
+            for n in where:
+                command(pipe, job_ids[n])
+            for n, reply in zip(where, pipe.execute(), strict=True):
+                replies[n] = reply
+        return replies

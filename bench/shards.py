@@ -1,0 +1,198 @@
+"""A sharded token plane: what one, two and three Redis shards carry (STREAMS_REDIS_URL="a,b,c").
+
+    python -m weightq.bench.shards --json
+
+One stack per shard count, side by side: Celery's broker on a Redis of its own, the token plane on 1, 2
+or 3 others, --workers `weightq worker` processes on the simulated device (RUNNER=simulated). Rounds
+alternate the stacks; each submits --jobs jobs of --tokens new tokens through the Client, and one reader
+process per shard follows that shard's streams as a gateway's hub does (XREAD of its unfinished streams,
+blocking on its STREAM_TICK). Each shard's Redis CPU (INFO cpu) is read from the submit to the last end.
+
+This machine has two cores, fewer than the stack's processes, so the streamed tokens/s measured here is the
+workers' and readers' limit, not Redis': what a plane *sustains* is computed from the Redis CPU instead. A
+Redis runs commands on one core, so the plane saturates when its busiest shard does: capacity_tok_s =
+streamed tokens / the busiest shard's CPU seconds. Figures (medians over rounds):
+- redis_cpu_ms_per_1000_tokens: every shard's CPU summed, per 1,000 streamed tokens (the plane's cost;
+  flat across shard counts when sharding adds no work per token), and per shard;
+- busiest_share: the busiest shard's part of that CPU (1/n when the jobs spread evenly);
+- capacity_tok_s and capacity_vs_one: the rate at which the busiest shard's core is full, and its ratio
+  to one shard's (the issue's "three shards sustain >= 2.7x one").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+from weightq.cli.processes import WorkerProcess
+from weightq.cli.redis_server import EmbeddedRedis
+from weightq.client import Client
+from weightq.settings import Settings
+from weightq.tasks.contract import shard_of
+
+from .pipeline import follow
+from .tokenplane import redis_cpu_s
+
+
+@dataclass
+class ShardedStack:
+    shards: int
+    broker: EmbeddedRedis
+    planes: list[EmbeddedRedis]
+    workers: list[WorkerProcess] = field(default_factory=list)
+
+    @property
+    def streams_redis_url(self) -> str:
+        return ",".join(p.url for p in self.planes)
+
+    def cpu(self) -> list[float]:
+        return [redis_cpu_s(redis.Redis.from_url(p.url)) for p in self.planes]
+
+    def stop(self) -> None:
+        for w in self.workers:
+            w.kill()
+        for server in (self.broker, *self.planes):
+            server.stop()
+
+
+def start_stack(shards: int, home: Path, args) -> ShardedStack:
+    fsync = {"appendfsync": args.appendfsync}
+    broker = EmbeddedRedis(home / f"s{shards}-broker", **fsync)
+    broker.start()
+    planes = [EmbeddedRedis(home / f"s{shards}-plane{n}", **fsync) for n in range(shards)]
+    for p in planes:
+        p.start()
+    stack = ShardedStack(shards, broker, planes)
+    for i in range(args.workers):
+        stack.workers.append(
+            WorkerProcess(
+                broker.url,
+                f"s{shards}w{i}@shards",
+                home,
+                runner="simulated",
+                engine_process="off",
+                max_batch_weight=65536,
+                concurrency=args.jobs // args.workers + 16,
+                task_events=0,
+                streams_redis_url=stack.streams_redis_url,
+            )
+        )
+    for w in stack.workers:
+        w.wait_ready()
+    return stack
+
+
+def run_round(stack: ShardedStack, client: Client, n: int, tokens: int, tag: str) -> dict:
+    ids = [f"{tag}-{i}" for i in range(n)]
+    spawn = multiprocessing.get_context("spawn")
+    readers = []
+    for shard, plane in enumerate(stack.planes):
+        mine = [j for j in ids if shard_of(j, stack.shards) == shard]
+        results, sender = spawn.Pipe(duplex=False)
+        proc = spawn.Process(target=follow, args=(plane.url, mine, sender), daemon=True)
+        proc.start()
+        if not results.poll(60) or results.recv() != "ready":
+            raise RuntimeError("a stream reader did not start")
+        readers.append((proc, results))
+    requests = [
+        {"prompt": f"shards {i % 7}", "max_new_tokens": tokens, "ignore_eos": True, "request_id": job_id}
+        for i, job_id in enumerate(ids)
+    ]
+    cpu0, t0 = stack.cpu(), time.perf_counter()
+    client.submit_many(requests)
+    streamed = 0
+    for _proc, results in readers:
+        if not results.poll(900):
+            raise RuntimeError(f"{stack.shards} shards: a reader did not see every job end within 900 s")
+        streamed += len(results.recv()[0])
+    wall = time.perf_counter() - t0
+    cpu = [b - a for a, b in zip(cpu0, stack.cpu(), strict=True)]
+    for proc, _ in readers:
+        proc.join(10)
+    total = sum(cpu)
+    return {
+        "tok_s": streamed / wall,
+        "redis_cpu_ms_per_1000_tokens": 1e6 * total / streamed,
+        "per_shard_cpu_ms_per_1000_tokens": [1e6 * c / streamed for c in cpu],
+        "busiest_share": max(cpu) / total,
+        "capacity_tok_s": streamed / max(cpu),
+    }
+
+
+def summary(rounds: list[dict]) -> dict:
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in rounds)
+
+    shards = len(rounds[0]["per_shard_cpu_ms_per_1000_tokens"])
+    return {
+        "redis_cpu_ms_per_1000_tokens": round(med("redis_cpu_ms_per_1000_tokens"), 2),
+        "per_shard_cpu_ms_per_1000_tokens": [
+            round(statistics.median(r["per_shard_cpu_ms_per_1000_tokens"][n] for r in rounds), 2) for n in range(shards)
+        ],
+        "busiest_share": round(med("busiest_share"), 3),
+        "capacity_tok_s": round(med("capacity_tok_s")),
+        "measured_tok_s": round(med("tok_s"), 1),
+        "rounds": [{k: v if isinstance(v, list) else round(v, 3) for k, v in r.items()} for r in rounds],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="What 1, 2 and 3 token-plane shards carry")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--shards", default="1,2,3")
+    ap.add_argument("--workers", type=int, default=3, help="workers per stack")
+    ap.add_argument("--jobs", type=int, default=192, help="jobs per round")
+    ap.add_argument("--tokens", type=int, default=128, help="new tokens per job")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--appendfsync", default="everysec", choices=["everysec", "always"])
+    args = ap.parse_args()
+    counts = [int(x) for x in args.shards.split(",")]
+    home = Path(tempfile.mkdtemp(prefix="weightq-shards-"))
+    stacks: list[ShardedStack] = []
+    try:
+        for n in counts:
+            stacks.append(start_stack(n, home, args))
+        clients = {
+            s.shards: Client(settings=Settings(redis_url=s.broker.url, streams_redis_url=s.streams_redis_url))
+            for s in stacks
+        }
+        for s in stacks:  # warm: the workers' first jobs out of the figures
+            run_round(s, clients[s.shards], 4 * args.workers, 8, f"s{s.shards}-warm")
+        rounds: dict[int, list[dict]] = {s.shards: [] for s in stacks}
+        for r in range(args.rounds):
+            for s in stacks if r % 2 == 0 else stacks[::-1]:
+                rounds[s.shards].append(run_round(s, clients[s.shards], args.jobs, args.tokens, f"s{s.shards}-{r}"))
+        results = {f"shards_{n}": summary(rounds[n]) for n in counts}
+        base = results[f"shards_{counts[0]}"]
+        for n in counts:
+            res = results[f"shards_{n}"]
+            res["capacity_vs_first"] = round(res["capacity_tok_s"] / base["capacity_tok_s"], 2)
+            res["cpu_per_token_vs_first"] = round(
+                res["redis_cpu_ms_per_1000_tokens"] / base["redis_cpu_ms_per_1000_tokens"], 3
+            )
+        out = {
+            "bench": "shards",
+            "runner": "simulated",
+            "workers_per_stack": args.workers,
+            "jobs_per_round": args.jobs,
+            "tokens_per_job": args.tokens,
+            "rounds": args.rounds,
+            "broker": "a Redis of its own in every stack (not counted)",
+            "readers": "one process per shard, hub-style XREAD of its unfinished streams + its STREAM_TICK",
+            **results,
+        }
+        print(json.dumps(out, indent=None if args.json else 2))
+    finally:
+        for s in stacks:
+            s.stop()
+
+
+if __name__ == "__main__":
+    main()
