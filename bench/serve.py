@@ -44,6 +44,7 @@ from weightq.engine import Engine, EngineConfig
 from weightq.engine.model import builtin_path
 from weightq.tasks.contract import EntryType, job_key, stream_key
 
+from . import cputime
 from .engine import requests, workload
 from .peer_client import omp_bind, peer_problem, peer_python
 
@@ -127,10 +128,13 @@ async def _drive(base: str, model: str, work) -> list[dict]:
     return await asyncio.gather(*(_one(client, model, ids, n) for ids, n in work))
 
 
-def drive(base: str, model: str, work, redis_client=None) -> dict:
+def drive(base: str, model: str, work, redis_client=None, processes: dict[str, int] | None = None) -> dict:
     """One round of every request at once; the figures of that round (and where a token's time went,
-    given the stack's Redis)."""
+    given the stack's Redis; and each server process's CPU per 1,000 streamed tokens, given their pids
+    by role)."""
+    cpu0 = cputime.snapshot(processes or {})
     results = asyncio.run(_drive(base, model, work))
+    cpu1 = cputime.snapshot(processes or {})
     ok = [r for r in results if "error" not in r]
     errors = [r["error"] for r in results if "error" in r]
     if not ok:
@@ -139,8 +143,10 @@ def drive(base: str, model: str, work, redis_client=None) -> dict:
     end = max(r["arrivals"][-1] for r in ok)
     ttft = [r["arrivals"][0] - r["sent"] for r in ok]
     gaps = [b - a for r in ok for a, b in zip(r["arrivals"], r["arrivals"][1:], strict=False)]
+    tokens = sum(r["tokens"] for r in ok)
+    cpu = cputime.per_1000_tokens(cpu0, cpu1, tokens) if processes else {}
     return (stages(redis_client, ok) if redis_client is not None else {}) | {
-        "tok_s": sum(r["tokens"] for r in ok) / (end - start),
+        "tok_s": tokens / (end - start),
         "wall_s": end - start,
         "ttft_p50_s": percentile(ttft, 50),
         "ttft_p99_s": percentile(ttft, 99),
@@ -148,6 +154,7 @@ def drive(base: str, model: str, work, redis_client=None) -> dict:
         "itl_p99_ms": percentile(gaps, 99) * 1000 if gaps else None,
         "errors": len(errors),
         "first_error": errors[0] if errors else None,
+        **({"cpu_ms_per_1000_tokens": cpu} if cpu else {}),
     }
 
 
@@ -228,16 +235,22 @@ def busy(before: dict, after: dict, wall: float) -> dict:
     }
 
 
-def served(worker: WorkerProcess, base: str, model: str, work) -> dict:
+def served(worker: WorkerProcess, base: str, model: str, work, processes: dict[str, int]) -> dict:
     """One round through the stack, with the worker's device time over it (from its heartbeats: the
     modelled device time on the simulated runner, the forward passes' on a real one)."""
     before = worker.wait_stats(lambda s: s.get("running", 1) == 0 and s.get("active_jobs", 1) == 0, timeout=300)
-    figures = drive(base, model, work, worker.redis)
+    figures = drive(base, model, work, worker.redis, processes)
     goal = before["finished"] + len(work) - figures["errors"]
     after = worker.wait_stats(lambda s: s.get("finished", 0) >= goal, timeout=300)
     if figures.get("wall_s"):
         figures |= busy(before, after, figures["wall_s"])
     return figures
+
+
+def _engine(label: str) -> bool:
+    """A process that runs the model: our worker's engine process (a multiprocessing child of the
+    worker), vLLM's engine core (it names itself VLLM::EngineCore)."""
+    return label.startswith("worker/") or "EngineCore" in label
 
 
 class VllmServer:
@@ -281,6 +294,11 @@ class VllmServer:
 def medians(rounds: list[dict]) -> dict:
     keys = [k for k in rounds[0] if isinstance(rounds[0][k], (int, float)) and k != "errors"]
     out = {k: round(statistics.median(r[k] for r in rounds if r.get(k) is not None), 3) for k in keys}
+    if all("cpu_ms_per_1000_tokens" in r for r in rounds):
+        labels = {k for r in rounds for k in r["cpu_ms_per_1000_tokens"]}
+        cpu = {k: round(statistics.median(r["cpu_ms_per_1000_tokens"].get(k, 0.0) for r in rounds), 1) for k in labels}
+        out["cpu_ms_per_1000_tokens"] = dict(sorted(cpu.items()))
+        out["outside_engine_cpu_ms_per_1000_tokens"] = round(sum(v for k, v in cpu.items() if not _engine(k)), 1)
     out["errors"] = sum(r.get("errors", 0) for r in rounds)
     firsts = [r["first_error"] for r in rounds if r.get("first_error")]
     if firsts:
@@ -340,10 +358,11 @@ def main() -> None:
                 drive(vllm.base, vllm.model, warm)
             serve_r, inproc_r, vllm_r = [], [], []
             for _ in range(args.rounds):
-                serve_r.append(served(worker, gateway.base, model, work))
+                stack = {"gateway": gateway.proc.pid, "worker": worker.proc.pid, "redis": server.proc.pid}
+                serve_r.append(served(worker, gateway.base, model, work, stack))
                 inproc_r.append(inproc(engine, work))
                 if vllm:
-                    vllm_r.append(drive(vllm.base, vllm.model, work))
+                    vllm_r.append(drive(vllm.base, vllm.model, work, processes={"vllm": vllm.proc.pid}))
             case = {"n": n, "serve": medians(serve_r), "inproc": medians(inproc_r)}
             case["serve_over_inproc"] = round(case["serve"]["tok_s"] / case["inproc"]["tok_s"], 3)
             if vllm:
