@@ -152,7 +152,7 @@ def connect(url: str, settings: Settings, **kw) -> redis.Redis:
 def connect_streams(settings: Settings, broker_url: str | None = None, **kw) -> redis.Redis:
     """A client of the token plane's home (the heartbeats, leases and LoRA keys): STREAMS_REDIS_URL's
     first server, else the broker's (`broker_url`, default REDIS_URL). A job's keys: TokenPlane."""
-    return connect(settings.resolved_streams_url(broker_url), settings, **kw)
+    return connect(settings.streams_urls(broker_url)[0], settings, **kw)
 
 
 def connect_async(url: str, settings: Settings, **kw) -> aredis.Redis:

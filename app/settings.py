@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import AfterValidator, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, DotEnvSettingsSource, EnvSettingsSource, SettingsConfigDict
 from weightq.tasks.contract import OWN_QUEUE_MARK, STAGED_MARK
 from weightq.tasks.limits import OPEN_MAX_PRIORITY
@@ -30,10 +30,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(frozen=True, extra="ignore", env_ignore_empty=True, case_sensitive=False)
 
     redis_url: str = ""  # empty: the embedded Redis (its URL is recorded under WEIGHTQ_HOME)
-    # The token plane (streams, job state: every weightq:* key) on a Redis of its own, so that Celery's
-    # broker (REDIS_URL) and the streams each get a server's core; empty: REDIS_URL. Same URL forms.
-    # A comma-separated list shards it: each job's keys on one server (tasks/contract.py: shard_of).
-    streams_redis_url: str = ""
+    # The token plane (streams, job state: every weightq:* key) on a Redis of its own, or a comma-separated
+    # list of them (shards: tasks/contract.py, shard_of); empty: REDIS_URL. Same URL forms.
+    streams_redis_url: Annotated[str, AfterValidator(lambda v: _shards(v))] = ""
     streams_sentinel_master: str = ""  # a sentinel:// STREAMS_REDIS_URL's group (empty: REDIS_SENTINEL_MASTER)
     model: str = "builtin:tiny"
     device: str = "auto"
@@ -159,14 +158,6 @@ class Settings(BaseSettings):
             raise ValueError(f"a queue name may not contain {STAGED_MARK!r}: it names staged jobs")
         return value
 
-    @field_validator("streams_redis_url")
-    @classmethod
-    def _shards(cls, value: str) -> str:
-        urls = [u.strip() for u in value.split(",") if u.strip()]
-        if len(set(urls)) != len(urls):
-            raise ValueError("a server is listed twice: each shard of the token plane is a Redis of its own")
-        return value
-
     @field_validator("trusted_proxies")
     @classmethod
     def _addresses(cls, value: str) -> str:
@@ -218,16 +209,21 @@ class Settings(BaseSettings):
             return recorded.read_text().strip()
         return "redis://127.0.0.1:6379/0"
 
-    def resolved_streams_url(self, broker_url: str | None = None) -> str:
-        """The token plane's home: STREAMS_REDIS_URL's first server, else the broker's URL
-        (`broker_url`, default REDIS_URL resolved)."""
-        return self.streams_urls(broker_url)[0]
-
     def streams_urls(self, broker_url: str | None = None) -> list[str]:
         """The token plane's shards, home first: STREAMS_REDIS_URL's list, else the broker's URL."""
-        listed = [u.strip() for u in self.streams_redis_url.split(",") if u.strip()]
-        return listed or [broker_url or self.resolved_redis_url()]
+        return _listed(self.streams_redis_url) or [broker_url or self.resolved_redis_url()]
 
     def streams_master(self) -> str:
         """The Sentinel group of the streams' Redis (the broker's when it is the same server)."""
         return (self.streams_redis_url and self.streams_sentinel_master) or self.redis_sentinel_master
+
+
+def _listed(urls: str) -> list[str]:
+    """A comma-separated list of URLs, blanks dropped."""
+    return [u.strip() for u in urls.split(",") if u.strip()]
+
+
+def _shards(value: str) -> str:
+    if len(set(urls := _listed(value))) != len(urls):
+        raise ValueError("a server is listed twice: each shard of the token plane is a Redis of its own")
+    return value

@@ -68,7 +68,7 @@ class EngineStep(bootsteps.StartStopStep):
         broker_url = settings.resolved_redis_url()
         named = {"socket_timeout": 30, "health_check_interval": 10, "client_name": client_name(instance)}
         plane = TokenPlane.connect(settings, broker_url, max_connections=settings.concurrency + 16, **named)
-        split = settings.resolved_streams_url(broker_url) != broker_url
+        split = settings.streams_urls(broker_url)[0] != broker_url
         broker = connect(broker_url, settings, **named) if split else plane.home
         publisher = StreamPublisher(
             plane, maxlen=settings.stream_maxlen, ttl_s=settings.stream_ttl_s, job_ttl_s=settings.result_ttl_s

@@ -144,8 +144,7 @@ class JobRunner:
         if attempt == -2:  # finished before, redelivered before its ack: the same outcome again
             if stored:
                 return json.loads(stored)
-            # it ended with an error
-            error = self.retrying(lambda: self.plane.of(job_id).hget(job_key(job_id), "error"))
+            error = self.retrying(lambda: self.plane.of(job_id).hget(job_key(job_id), "error"))  # ended in error
             error = error.decode() if isinstance(error, bytes) else error
             raise GenerationFailed(error or "it failed in an earlier run")
         self._begun[job_id] = attempt = int(attempt)

@@ -67,14 +67,14 @@ def test_logged_urls_hide_passwords():
 def test_the_streams_redis_is_the_brokers_unless_set_and_may_be_another_sentinel_group():
     broker = "sentinel://s1:26379/0"
     same = Settings(redis_url=broker, redis_sentinel_master="jobs")
-    assert same.resolved_streams_url() == broker
+    assert same.streams_urls()[0] == broker
     assert connect_streams(same).connection_pool.service_name == "jobs"
-    assert Settings(redis_url="redis://b:1/0").resolved_streams_url("redis://other:2/0") == "redis://other:2/0"
+    assert Settings(redis_url="redis://b:1/0").streams_urls("redis://other:2/0")[0] == "redis://other:2/0"
     split = Settings(
         redis_url=broker, streams_redis_url="sentinel://s2:26379/1", redis_sentinel_master="jobs",
         streams_sentinel_master="tokens",
     )  # fmt: skip
-    assert split.resolved_streams_url() == "sentinel://s2:26379/1"
+    assert split.streams_urls()[0] == "sentinel://s2:26379/1"
     assert connect_streams(split).connection_pool.service_name == "tokens"
     assert connect(broker, split).connection_pool.service_name == "jobs"
     assert celery_config(split)["broker_url"] == broker  # Celery never sees the streams' Redis
@@ -90,7 +90,7 @@ def test_a_listed_token_plane_is_sharded_by_job_id_home_first():
 
     s = Settings(redis_url="redis://b:1/0", streams_redis_url=" redis://s0:1/0, redis://s1:1/0 ,redis://s2:1/0")
     assert s.streams_urls() == ["redis://s0:1/0", "redis://s1:1/0", "redis://s2:1/0"]
-    assert s.resolved_streams_url() == "redis://s0:1/0"  # the home: heartbeats, leases, LoRA
+    assert s.streams_urls()[0] == "redis://s0:1/0"  # the home: heartbeats, leases, LoRA
     assert Settings(redis_url="redis://b:1/0").streams_urls() == ["redis://b:1/0"]
     with pytest.raises(ValueError, match="listed twice"):
         Settings(streams_redis_url="redis://s0:1/0,redis://s0:1/0")
