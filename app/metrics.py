@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from weightq.tasks.contract import HEARTBEATS
 from weightq.tasks.limits import MAX_PRIORITY
 from weightq.tasks.results import Finished
 from weightq.transport import waiting_by_priority
@@ -217,6 +218,11 @@ def _cumulative(data: dict) -> list[tuple[str, float]]:
         total += n
         out.append(("+Inf" if bound == float("inf") else repr(float(bound)), total))
     return out
+
+
+def read_live_workers(client: Any, now: float | None = None) -> dict[str, dict]:
+    """The fresh heartbeats, by worker name, read from the token plane's home (`client`)."""
+    return live_workers(client.hgetall(HEARTBEATS), now)
 
 
 def live_workers(raw: dict, now: float | None = None) -> dict[str, dict]:

@@ -92,7 +92,7 @@ class Settings(BaseSettings):
     # ... unless that worker's own queue already holds this many jobs: then the shared queue (a hot prefix spreads)
     affinity_backlog: int = Field(256, ge=0)
     visibility_timeout_s: int = 30  # a dead worker's jobs return to the queue after this
-    lease_renew_s: float = 5.0  # a live worker renews its in-flight jobs this often
+    lease_renew_s: float = 5.0  # a live worker re-stamps its in-flight messages this often (restamp_loop)
     restore_interval_s: int = 5  # how often every worker sweeps for expired leases
     stream_maxlen: int = 100_000  # entries kept per token stream
     stream_ttl_s: int = 3600  # a stream expires this long after its end (or 1 day after its start)

@@ -3,7 +3,7 @@
 The walk goes by priority class (higher first), within a class by tenant (the one that has received
 the least service first: fairness.py) and by arrival within a tenant, and admits a candidate only if
 the projected weight of the running requests plus the candidate stays within max_batch_weight at
-every future step (projection.py). Candidates that pass the naive test — the sum of everyone's final
+every future step (batcher/projection/). Candidates that pass the naive test — the sum of everyone's final
 weight fits — skip the projection. A later request may jump one of its tenant's that does not fit,
 but only if it arrived within jump_window_s after it, and never once that one has waited max_wait_s;
 a lower class never jumps a higher one. Classes below headroom_priority may not take the last

@@ -1,7 +1,7 @@
 """The running set's projection: each running request's entry, the profile built from them, and the
 sum of their reserved weights (the naive test).
 
-Entries are in absolute steps (projection.py), so a decoding request's entry never changes until it
+Entries are in absolute steps (batcher/projection/), so a decoding request's entry never changes until it
 leaves or its reservation does; entries of requests still prefilling depend on the chunks ahead of
 them and are recomputed before the first decision after any change. Changes reach the profile in
 place when it is next used (after more than REBUILD_AFTER of them, it is rebuilt instead).

@@ -55,7 +55,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)  # its full kind's pages, one per block
     # per window kind, its ring: `pages` pages per unit, logical block j in unit j mod ring (kv_cache.py)
     rings: list[list[int]] = field(default_factory=list)
-    # this step only (prefix cache with window kinds, accounting.py): (window kind, block j, pages) to copy
+    # this step only (prefix cache with window kinds, Paging): (window kind, block j, pages) to copy
     # into its ring's unit for block j before the forward (a cache hit), and to write block j's KV into
     fill: list[tuple[int, int, list[int]]] = field(default_factory=list)
     snaps: list[tuple[int, int, list[int]]] = field(default_factory=list)

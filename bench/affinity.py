@@ -1,6 +1,6 @@
 """Prefix affinity on the pull queue: do N workers' prefix caches act as one cache of their summed size?
 
-    python -m weightq.bench.affinity --json        # [--rounds 2] [--requests 512] [--step-cost ...]
+    python -m bench.affinity --json        # [--rounds 2] [--requests 512] [--step-cost ...]
 
 Real parts: an embedded Redis and `weightq worker` processes on the simulated device (RUNNER=simulated:
 the real batcher, KV blocks and prefix cache, Celery and streams; the forward pass is a modelled wait,

@@ -1,7 +1,7 @@
 """A 100,000-line batch file as a data scientist runs it: `weightq batch` in a process of its own against a
 worker on the simulated device (so the batch tool and the queue, not the model, are what is measured).
 
-    python -m weightq.bench.batchfile --json        # [--lines 100000] [--kill-at 0.4]
+    python -m bench.batchfile --json        # [--lines 100000] [--kill-at 0.4]
 
 - whole: lines/s of one uninterrupted run, and the batch process's peak resident memory (RSS, sampled
   every 0.2 s);

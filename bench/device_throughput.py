@@ -21,7 +21,7 @@ BF16_TIE = 5e-2  # tests/engine/test_cuda.py: bf16 logits are noisy; a divergenc
 
 # ----- throughput ----------------------------------------------------------------------------------------
 def workload(n: int, prompt: tuple[int, int], new: tuple[int, int], seed: int) -> list[tuple[list[int], int]]:
-    """weightq.bench.engine's workload with other ranges: random prompt ids, greedy, EOS ignored."""
+    """bench.engine's workload with other ranges: random prompt ids, greedy, EOS ignored."""
     rng = random.Random(seed)
     return [([rng.randrange(10, 1100) for _ in range(rng.randint(*prompt))], rng.randint(*new)) for _ in range(n)]
 

@@ -1,7 +1,7 @@
 """Overload: twice what the workers can serve, for a minute, through the gateway, with and without a
 bound on the projected queue wait (MAX_QUEUE_WAIT_S).
 
-    python -m weightq.bench.overload --json        # [--seconds 60] [--bound 10] [--rounds 1]
+    python -m bench.overload --json        # [--seconds 60] [--bound 10] [--rounds 1]
 
 A real Redis, the HTTP gateway and one `weightq worker` on the simulated device (RUNNER=simulated:
 a step of SIM_STEP_COST's fixed time, so capacity is known and the two cores stay free for the

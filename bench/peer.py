@@ -301,7 +301,7 @@ def main() -> None:
     python = peer_python(args.peer_python)
     if problem := peer_problem(python):
         print(
-            f"weightq.bench.peer: {problem}. Make vLLM's CPU build with `make peer` (it goes into .venv-peer), "
+            f"bench.peer: {problem}. Make vLLM's CPU build with `make peer` (it goes into .venv-peer), "
             f"or point --peer-python / ${PEER_ENV} at a python that has vllm.",
             file=sys.stderr,
         )
@@ -348,7 +348,7 @@ def main() -> None:
         for kv_tokens in pressure_kv if args.suite != "throughput" else []:
             out["pressure"].append(run_pressure(args, kv_tokens, python, env, wq_overrides))
     except PeerError as e:
-        print(f"weightq.bench.peer: {e}\nIf vllm is missing from the peer venv, run `make peer`.", file=sys.stderr)
+        print(f"bench.peer: {e}\nIf vllm is missing from the peer venv, run `make peer`.", file=sys.stderr)
         sys.exit(2)
     if settings:
         settings["weightq"]["config"].pop("max_batch_weight")  # per KV setting: see kv_tokens

@@ -1,4 +1,4 @@
-"""weightq.bench.peer's memory-pressure cases: output lengths the model decides, KV capacity fixed on both sides.
+"""bench.peer's memory-pressure cases: output lengths the model decides, KV capacity fixed on both sides.
 
     python -m bench.peer --json --suite pressure     # [--pressure-kv 4096,8192] [--rounds 3]
 

@@ -1,7 +1,7 @@
 """The queue's promises through the whole stack: interactive requests beside a `weightq batch`, a light
 tenant beside another's flood, on one, two and four workers.
 
-    python -m weightq.bench.queueing --json        # [--workers 1,2,4] [--lines 3000] [--flood 1000] [--seconds 20]
+    python -m bench.queueing --json        # [--workers 1,2,4] [--lines 3000] [--flood 1000] [--seconds 20]
 
 A real Redis, the HTTP gateway, `weightq batch` as a user runs it (default flags), and `weightq worker`s
 on the simulated device (RUNNER=simulated: a step of SIM_STEP_COST's time, the GIL free as during a GPU

@@ -35,13 +35,15 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import redis
 from weightq.cli.processes import GatewayProcess, WorkerProcess
 from weightq.cli.redis_server import EmbeddedRedis
 from weightq.client import Client, JobFailed
 from weightq.settings import Settings
 from weightq.tasks.contract import DEAD, LEASES, EntryType, engine_jobs_key, job_key, stream_key
+
+# the tests' streaming client: the bench reads streams as they do (run from the repository root)
+from tests.sse_client import openai_text, read_sse
 
 KINDS = [
     {"temperature": 1.0},  # what OpenAI clients send by default
@@ -93,27 +95,6 @@ class Stack:
         if self.gateway is not None:
             self.gateway.stop()
         self.server.stop()
-
-
-def read_sse(base: str, path: str, body: dict, out: dict, headers: dict | None = None) -> None:
-    """One streamed answer into `out`: its status and events as (arrival time, SSE id, data)."""
-    out["events"] = []
-    try:
-        with httpx.stream("POST", base + path, json=body, headers=headers or {}, timeout=600) as resp:
-            out["status"] = resp.status_code
-            event_id = None
-            for line in resp.iter_lines():
-                if line.startswith("id: "):
-                    event_id = line[4:]
-                elif line.startswith("data: {"):
-                    out["events"].append((time.time(), event_id, json.loads(line[6:])))
-    except Exception as e:  # reported, not raised: one broken stream is a finding
-        out["error"] = repr(e)
-
-
-def openai_text(events: list[tuple]) -> str:
-    """The text of an OpenAI completions stream's events."""
-    return "".join(c["choices"][0]["text"] for _, _, c in events if c.get("choices"))
 
 
 def check_stream(stack: Stack, job_id: str, streamed_text: str | None) -> dict:

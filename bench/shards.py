@@ -1,6 +1,6 @@
 """A sharded token plane: what one, two and three Redis shards carry (STREAMS_REDIS_URL="a,b,c").
 
-    python -m weightq.bench.shards --json
+    python -m bench.shards --json
 
 One stack per shard count, side by side: Celery's broker on a Redis of its own, the token plane on 1, 2
 or 3 others, --workers `weightq worker` processes on the simulated device (RUNNER=simulated). Rounds

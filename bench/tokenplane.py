@@ -1,6 +1,6 @@
 """The token plane: how much Redis CPU a streamed token costs, and so how many workers one Redis carries.
 
-    python -m weightq.bench.tokenplane --json
+    python -m bench.tokenplane --json
 
 Two stacks run side by side, each with --workers `weightq worker` processes on the simulated device
 (RUNNER=simulated: the device is a modelled wait, so many workers fit on two cores):

@@ -1,9 +1,9 @@
 """What a caller asks of one generation, and what the engine reports back.
 
-The engine takes a request as valid: the worker builds it from a job request the contract checked
-(tasks/request.py, app/worker/engine_request.py). It refuses only what needs the model: token ids
-outside the vocabulary, a prompt too long in tokens, a grammar that does not compile (InvalidRequest),
-and what the batcher cannot fit (RequestRejected).
+The engine takes a request as valid: the worker builds it (`engine_request`) from a job request the
+contract checked (`JobRequest`). It refuses only what needs the model: token ids outside the
+vocabulary, a prompt too long in tokens, a grammar that does not compile (InvalidRequest), and what
+the batcher cannot fit (RequestRejected).
 """
 
 from __future__ import annotations

@@ -68,6 +68,9 @@ from .scripts import (  # noqa: F401
     STAGE,
     SUBMIT,
     WRITE_BATCH,
+    Aborted,
+    Begun,
+    Requeued,
 )  # fmt: skip
 
 TASK_NAME = "weightq.generate"

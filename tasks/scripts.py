@@ -1,7 +1,37 @@
 """The Lua scripts that change a job's state, each atomic in Redis: part of the job contract
 (tasks/contract.py re-exports them), kept apart because they are Lua, not Python. Every key they
-touch comes in KEYS from the caller, spelled by contract.py.
+touch comes in KEYS from the caller, spelled by contract.py; what a script answers is one of the
+IntEnums below, never a bare number at the caller.
 """
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class Requeued(IntEnum):
+    """REQUEUE's answer."""
+
+    QUEUED = 0  # back in the queue
+    ENDED = 1  # its client had cancelled it: ended here, cancelled
+    SUPERSEDED = 2  # a later run has begun (this worker was taken for dead): nothing done
+
+
+class Begun(IntEnum):
+    """BEGIN's first value when no run starts (a run that starts gets its attempt, >= 1)."""
+
+    CANCELLED = -1
+    DONE = -2  # finished before: the stored result comes with it
+    DEAD_LETTERED = -3  # charged with too many crashes: the dead letter's message comes with it
+
+
+class Aborted(IntEnum):
+    """ABORT's answer."""
+
+    UNCHANGED = 0  # already ended
+    ENDED = 1
+    SUPERSEDED = 2  # a later run owns the job
+
 
 # Submit: the job's state, tenant and request (kept so that a job whose message is lost can be sent
 # again) and its place in the queued set; a known id keeps what it has.

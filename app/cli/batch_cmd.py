@@ -15,10 +15,9 @@ from pathlib import Path
 from weightq.client import Client
 from weightq.client.batch import BatchChanged, run_batch
 from weightq.gateway.openai_batch import OpenAIBatchLines
-from weightq.metrics import live_workers
+from weightq.metrics import read_live_workers
 from weightq.redis_conn import redacted
 from weightq.settings import Settings
-from weightq.tasks.contract import HEARTBEATS
 
 from .redis_server import ensure_redis
 
@@ -105,7 +104,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 def queue_workers(client: Client, queue: str) -> dict[str, dict]:
     """The live workers that consume `queue`, by name, from their heartbeats."""
-    return {name: w for name, w in live_workers(client.redis.hgetall(HEARTBEATS)).items() if w.get("queue") == queue}
+    return {name: w for name, w in read_live_workers(client.redis).items() if w.get("queue") == queue}
 
 
 def served_model(client: Client, settings: Settings, url: str) -> str:

@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import IO
 
 import redis
-from weightq.metrics import live_workers
+from weightq.metrics import read_live_workers
 from weightq.redis_conn import connect_streams, redacted
 from weightq.settings import Settings
-from weightq.tasks.contract import HEARTBEATS
 
 from .redis_server import EmbeddedRedis, embedded, write_private
 from .supervise import refuse_taken_ports, signals_ignored, stop_on_signals
@@ -101,7 +100,7 @@ class Stack:
         while True:
             self.check_children()
             try:
-                workers = live_workers(r.hgetall(HEARTBEATS))
+                workers = read_live_workers(r)
                 if workers and httpx.get(self.base + "/health", timeout=2).status_code == 200:
                     return next(iter(workers.values()))
             except (redis.RedisError, httpx.TransportError):
@@ -120,7 +119,7 @@ class Stack:
 
     def worker_stats(self) -> dict:
         r = connect_streams(self.settings, self.url, socket_timeout=5)  # the heartbeats
-        workers = live_workers(r.hgetall(HEARTBEATS))
+        workers = read_live_workers(r)
         return next(iter(workers.values()), {})
 
     def stop(self) -> None:

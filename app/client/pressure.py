@@ -19,9 +19,8 @@ from collections import Counter
 from collections.abc import Sequence
 
 import redis
-from weightq.metrics import live_workers
+from weightq.metrics import read_live_workers
 from weightq.settings import Settings
-from weightq.tasks.contract import HEARTBEATS
 from weightq.tasks.limits import MAX_PRIORITY
 from weightq.tasks.request import JobRequest
 from weightq.transport import waiting_by_priority
@@ -63,7 +62,7 @@ class Backpressure:
     def _project(self) -> Projection:
         queue = self.settings.queue
         now = time.time()
-        beats = live_workers(self.redis.hgetall(HEARTBEATS), now).values()
+        beats = read_live_workers(self.redis, now).values()
         workers = [w for w in beats if (w.get("queue") or queue) == queue]
         # the shared queue's lists and each worker's own (prefix affinity): a job waits in one of them
         queues = [queue, *sorted({w["own_queue"] for w in workers if w.get("own_queue")})]

@@ -15,10 +15,9 @@ import time
 from collections.abc import Sequence
 
 import redis
-from weightq.metrics import live_workers
+from weightq.metrics import read_live_workers
 from weightq.settings import Settings
 from weightq.tasks.affinity import rendezvous, route_key
-from weightq.tasks.contract import HEARTBEATS
 from weightq.tasks.request import JobRequest
 from weightq.transport import waiting_counts
 
@@ -38,7 +37,7 @@ class Router:
         """The live workers of this QUEUE that have an own queue, by name (cached for REFRESH_S)."""
         now = time.monotonic()
         if now - self._read_at >= REFRESH_S:
-            live = live_workers(self.redis.hgetall(HEARTBEATS))
+            live = read_live_workers(self.redis)
             queue = self.settings.queue
             mine = {name: s for name, s in live.items() if s.get("queue") == queue}
             self._workers = {name: s["own_queue"] for name, s in mine.items() if s.get("own_queue")}

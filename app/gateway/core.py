@@ -21,10 +21,10 @@ import redis
 from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from weightq.client import Client
-from weightq.metrics import BacklogCollector, QueueCollector, WorkerCollector, live_workers, queue_depths
+from weightq.metrics import BacklogCollector, QueueCollector, WorkerCollector, queue_depths, read_live_workers
 from weightq.redis_conn import redacted
 from weightq.settings import Settings
-from weightq.tasks.contract import DEAD, HEARTBEATS, Replay, job_key, outcome
+from weightq.tasks.contract import DEAD, Replay, job_key, outcome
 from weightq.tasks.limits import ID_PATTERN, LOCAL_TENANT
 from weightq.tasks.request import JobRequest
 
@@ -117,7 +117,7 @@ class Gateway:
 
     def workers(self) -> dict[str, dict]:
         try:
-            return live_workers(self.client.redis.hgetall(HEARTBEATS))
+            return read_live_workers(self.client.redis)
         except redis.RedisError:
             return {}
 

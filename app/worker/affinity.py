@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable
 
 import redis
-from weightq.metrics import live_workers
+from weightq.metrics import read_live_workers
 from weightq.settings import Settings
-from weightq.tasks.contract import HEARTBEATS, MOVE_QUEUED, WORKER_QUEUES, lease_key, worker_queue
+from weightq.tasks.contract import MOVE_QUEUED, WORKER_QUEUES, lease_key, worker_queue
 from weightq.transport import priority_queues, waiting_counts
 
 from .intake import EVERYTHING, Release
@@ -105,7 +105,7 @@ class Affinity:
         moved, now = 0, time.monotonic()
         status = list(zip(queues.items(), leased, strict=True))
         self._gone = {q: self._gone.get(q, now) for (q, _), alive in status if not alive}
-        live = live_workers(self.redis.hgetall(HEARTBEATS)) if self._gone else {}
+        live = read_live_workers(self.redis) if self._gone else {}
         for (q, entry), alive in status:
             if alive:
                 continue  # alive (or paused: its lease is renewed by a thread of its own)

@@ -103,10 +103,10 @@ class WorkerHost:
         self.affinity.register()
         lora = s.enable_lora or bool(s.lora_modules)  # adapters follow the pool's (LORA_ADAPTERS)
         for name, loop in (
-            ("renew", renew),
+            ("lease", renew),  # its own lease (LEASE_TTL_S / 4)
             ("reap", reap),
             ("cancel", lambda: loops.cancel_loop(self.plane.shards, self.engine, self.inflight, stop)),
-            ("lease", lambda: loops.lease_loop(self.broker, s, self.inflight, consumer, stop)),
+            ("restamp", lambda: loops.restamp_loop(self.broker, s, self.inflight, consumer, stop)),  # LEASE_RENEW_S
             ("intake", lambda: intake_loop(self.intake, self.engine, self.inflight, consumer, self.stopping, stop)),
             ("recover", recover),
             ("heartbeat", lambda: loops.heartbeat_loop(r, self.hostname, self.stats, stop)),

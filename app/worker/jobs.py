@@ -28,7 +28,9 @@ from weightq.tasks.contract import (
     RESUMING,
     RUNNING_STREAM_TTL_S,
     STARTED_HW,
+    Begun,
     Emitted,
+    Requeued,
     cancelled_result,
     decode_fields,
     emitted_tokens,
@@ -135,13 +137,13 @@ class JobRunner:
                 ],
             )
         )
-        if attempt == -1:
+        if attempt == Begun.CANCELLED:
             return cancelled_result(job_id)
-        if attempt == -3:
+        if attempt == Begun.DEAD_LETTERED:
             message = stored.decode() if isinstance(stored, bytes) else stored
             log.error("job %s dead-lettered: %s", job_id, message)
             raise DeadLettered(message)
-        if attempt == -2:  # finished before, redelivered before its ack: the same outcome again
+        if attempt == Begun.DONE:  # finished before, redelivered before its ack: the same outcome again
             if stored:
                 return json.loads(stored)
             error = self.retrying(lambda: self.plane.of(job_id).hget(job_key(job_id), "error"))  # ended in error
@@ -183,10 +185,10 @@ class JobRunner:
             # that raised here would be acked, its job left 'running' and unrecoverable.
             # reason "cancelled", with what it had generated
             result = (result_dict(final) if final else _unstarted(job_id, emitted)) | extra
-            ended = self.retrying(lambda: self._requeue(job_id, result, attempt))
-            if ended == 2:
+            requeued = self.retrying(lambda: self._requeue(job_id, result, attempt))
+            if requeued == Requeued.SUPERSEDED:
                 raise Ignore(f"job {job_id} resumed on another worker while this one was taken for dead")
-            if ended:
+            if requeued == Requeued.ENDED:
                 return result
             raise Reject(f"worker {self.hostname} shutting down: job {job_id} goes back to the queue", requeue=True)
         if final.reason == "error":
@@ -231,16 +233,14 @@ class JobRunner:
             lps = [TokenLogprobs(*StreamedLogprobs.from_json(x)) for x in emitted.logprobs]
         return emitted, lps
 
-    def _requeue(self, job_id: str, result: dict, attempt: int) -> int:
-        """1 when the job ended (cancelled by its client meanwhile) instead of going back; 2 when a
-        later run owns it."""
+    def _requeue(self, job_id: str, result: dict, attempt: int) -> Requeued:
         # Listed as queued since long ago: if kombu's requeue on the closing channel is lost, the next
         # two recovery sweeps (RECOVER_INTERVAL_S apart) re-send it, without waiting LOST_JOB_GRACE_S.
         s = self.settings
         since = time.time() - s.lost_job_grace_s - 1
         keys = [job_key(job_id), QUEUED, stream_key(job_id)]
         args = [since, job_id, json.dumps(result), s.stream_maxlen, s.stream_ttl_s, attempt]
-        return int(self.plane.durable(job_id).run(self._requeue_script, keys, args))
+        return Requeued(int(self.plane.durable(job_id).run(self._requeue_script, keys, args)))
 
     def fail(self, job_id: str, message: str, field: str = "") -> None:
         """End the job with an error entry and state done, once (a no-op for a job already done): a

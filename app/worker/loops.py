@@ -71,7 +71,11 @@ def cancel_loop(shards: list[redis.Redis], engine: AnyEngine, inflight: InFlight
             pubsub.close()
 
 
-def lease_loop(client: redis.Redis, settings: Settings, inflight: InFlight, consumer: Callable[[], Any], stop) -> None:
+def restamp_loop(
+    client: redis.Redis, settings: Settings, inflight: InFlight, consumer: Callable[[], Any], stop
+) -> None:
+    """Every LEASE_RENEW_S, the messages this worker holds are stamped as delivered now, so that kombu's
+    visibility timeout never restores a job that is running (not the worker's own lease: lease.py)."""
     while not stop.wait(settings.lease_renew_s):
         tags = delivered_tags(inflight, consumer())
         if tags:

@@ -19,6 +19,7 @@ from weightq.tasks.contract import (
     ABORT,
     STREAM_TICK,
     WRITE_BATCH,
+    Aborted,
     EntryType,
     JobState,
     field_of,
@@ -163,15 +164,15 @@ class StreamPublisher:
         message = f"the worker cannot write this job's stream: Redis refused it ({str(error)[:200]})"
         log.error("%s: ending %d jobs with an error", message, len(jobs))
         for job_id in jobs:
-            ended = 1
+            ended = Aborted.ENDED
             try:
                 keys = [job_key(job_id), stream_key(job_id)]
                 attempt = (self.fences if fences is None else fences).get(job_id, "")
                 args = [self.maxlen, self.ttl_s, self.job_ttl_s, message, attempt]
-                ended = self.plane.durable(job_id).run(self._abort_script, keys, args)
+                ended = Aborted(self.plane.durable(job_id).run(self._abort_script, keys, args))
             except redis.RedisError as e:
                 log.error("job %s: its error entry was refused too (%s)", job_id, e)
-            if ended == 2:  # fenced off: a later run owns the job, so it is not this run's to end
+            if ended == Aborted.SUPERSEDED:  # fenced off: a later run owns the job, not this run's to end
                 self._supersede(job_id)
                 continue
             self.failed[job_id] = message

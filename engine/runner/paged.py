@@ -51,10 +51,7 @@ class ModelRunner(PagedMemory):
         )
         self._decode_fn = self.decode_kernel.fn if self.decode_kernel else None
         # Attention is an opaque op inside the compiled graph (attention.step_context); token counts are dynamic.
-        import os
-
-        _opts = {"freezing": True} if os.environ.get("WQ_FREEZE") else None
-        self._compiled_model = torch.compile(model, fullgraph=True, options=_opts) if compiled else None
+        self._compiled_model = torch.compile(model, fullgraph=True) if compiled else None
         self.cache = cache
         self.backend = backend
         self.device = device

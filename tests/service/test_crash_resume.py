@@ -13,7 +13,6 @@ import time
 
 import pytest
 import redis
-from weightq.bench.resume import openai_text, read_sse
 from weightq.cli.processes import GatewayProcess
 from weightq.client import JobFailed
 from weightq.engine.sampling.grammar import available
@@ -21,6 +20,7 @@ from weightq.tasks.contract import LEASES, emitted_tokens, engine_jobs_key, held
 from weightq.transport import restore_unacked
 
 from tests.servers import queued_messages
+from tests.sse_client import openai_text, read_sse
 
 SLOW_RESTORE = dict(visibility_timeout_s=600, max_batch_weight=32768, concurrency=32)
 N = 1200  # tokens per job: none finishes while the second worker starts

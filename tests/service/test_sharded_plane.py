@@ -11,7 +11,6 @@ import time
 import httpx
 import pytest
 import redis
-from weightq.bench.resume import openai_text, read_sse
 from weightq.cli.processes import GatewayProcess, WorkerProcess
 from weightq.client import Client
 from weightq.settings import Settings
@@ -19,6 +18,7 @@ from weightq.tasks.contract import HEARTBEATS, LEASES, QUEUED, STREAM_TICK, job_
 
 from tests.servers import embedded_redis, queued_messages, take_queued
 from tests.service.test_crash_resume import check_one_generation
+from tests.sse_client import openai_text, read_sse
 
 WORKER = dict(max_batch_weight=16384, concurrency=32, engine_process="off", visibility_timeout_s=600)
 

@@ -2,9 +2,9 @@
 engine/ nor batcher/, so the web side (the client, the batch client, the gateway, the contract) never
 loads the engine or torch. batcher/ is pure standard library.
 
-Installed, the folders are one package: app/ is `weightq`, and tasks/, engine/, batcher/ and bench/ are
-`weightq.tasks`, `weightq.engine`, `weightq.batcher` and `weightq.bench` (pyproject.toml's package-dir);
-the engine's dependencies are the `worker` extra."""
+Installed, the folders are one package: app/ is `weightq`, and tasks/, engine/ and batcher/ are
+`weightq.tasks`, `weightq.engine` and `weightq.batcher` (pyproject.toml's package-dir); the engine's
+dependencies are the `worker` extra. bench/ is lab code, out of the wheel: run from the repository."""
 
 import ast
 import re
@@ -19,7 +19,6 @@ FOLDERS = {
     "tasks": "weightq.tasks",
     "engine": "weightq.engine",
     "batcher": "weightq.batcher",
-    "bench": "weightq.bench",
 }
 HEAVY = {"torch", "redis", "celery", "kombu", "transformers", "numpy"}
 
@@ -29,7 +28,7 @@ def layer(module: str) -> str:
     parts = module.split(".")
     if parts[0] != "weightq":
         return parts[0]
-    return parts[1] if len(parts) > 1 and parts[1] in ("tasks", "engine", "batcher", "bench") else "app"
+    return parts[1] if len(parts) > 1 and parts[1] in ("tasks", "engine", "batcher") else "app"
 
 
 def imported(path: Path, package: str) -> list[str]:
@@ -68,10 +67,11 @@ ENGINE_FORBIDDEN = {"redis", "celery", "kombu", "tasks", "app"}
 
 
 def test_no_module_imports_a_folder_by_its_repository_name():
-    """`import app` or `from tasks...` would find a web app's own app.py / tasks.py first."""
-    bare = {"app", "tasks", "engine", "batcher", "bench"}
+    """`import app` or `from tasks...` would find a web app's own app.py / tasks.py first; and the
+    installed packages never import bench/, which the wheel leaves out (tests and bench/ itself may)."""
     offenders = []
-    for folder in [*FOLDERS, "tests"]:
+    for folder in [*FOLDERS, "bench", "tests"]:
+        bare = {"app", "tasks", "engine", "batcher"} | ({"bench"} if folder in FOLDERS else set())
         for path in (ROOT / folder).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
                 names = []
@@ -272,3 +272,33 @@ def test_engine_and_batcher_have_no_class_or_file_too_long_to_read():
             if (n := node.end_lineno - node.lineno + 1) > MAX_CLASS_LINES:
                 long.append(f"{name}: class {node.name} is {n} lines")
     assert not long, long
+
+
+# Files a comment may name that are not ours: formats and a web app's own modules.
+NOT_OURS = {"adapter_config.json", "SPEC.json", "FACTS.md", "tasks.py"}
+FILE_NAMED = re.compile(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.(?:py|sh|toml|md|yml|yaml|cfg|json|txt|conf))\b")
+
+
+def test_comments_name_files_that_exist():
+    """A comment or docstring that points at a file must point at one that exists: a renamed or split
+    module leaves readers searching for a file that is gone otherwise."""
+    import io
+    import tokenize
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    files = set(tracked.split()) or {p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*") if p.is_file()}
+    names = {Path(f).name for f in files}
+    stale = []
+    for folder in ("app", "tasks", "engine", "batcher", "bench", "tests"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+                text = tok.string
+                if tok.type != tokenize.COMMENT and not (
+                    tok.type == tokenize.STRING and text.lstrip("rbfuRBFU").startswith(('"""', "'''"))
+                ):
+                    continue
+                for ref in FILE_NAMED.findall(text):
+                    if ref in names or ref in NOT_OURS or any(f == ref or f.endswith("/" + ref) for f in files):
+                        continue
+                    stale.append(f"{path.relative_to(ROOT)}:{tok.start[0]}: {ref}")
+    assert stale == []

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from weightq.bench.peer import (
+
+from bench.peer import (
     MAX_MODEL_LEN,
     first_divergence,
     kv_groups,
@@ -28,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "weightq.bench.peer", "--json", *args],
+        [sys.executable, "-m", "bench.peer", "--json", *args],
         cwd=REPO,
         env={**os.environ, **(env or {})},
         capture_output=True,
