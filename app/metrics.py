@@ -15,7 +15,6 @@ client's clock, the finish the worker's, so hosts need synchronised clocks).
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from bisect import bisect_left
@@ -24,7 +23,9 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from weightq.tasks import heartbeat
 from weightq.tasks.contract import HEARTBEATS
+from weightq.tasks.heartbeat import Heartbeat
 from weightq.tasks.limits import MAX_PRIORITY
 from weightq.tasks.results import Finished
 from weightq.transport import waiting_by_priority
@@ -33,7 +34,6 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 COMPLETED = ("length", "stop", "eos")  # finish reasons whose latency a caller waited out
-STALE_S = 15.0  # a heartbeat older than this belongs to a worker that is gone
 
 
 class Histogram:
@@ -220,23 +220,9 @@ def _cumulative(data: dict) -> list[tuple[str, float]]:
     return out
 
 
-def read_live_workers(client: Any, now: float | None = None) -> dict[str, dict]:
+def read_live_workers(client: Any, now: float | None = None) -> dict[str, Heartbeat]:
     """The fresh heartbeats, by worker name, read from the token plane's home (`client`)."""
-    return live_workers(client.hgetall(HEARTBEATS), now)
-
-
-def live_workers(raw: dict, now: float | None = None) -> dict[str, dict]:
-    """Heartbeats (HGETALL of weightq:workers) that are fresh, by worker name."""
-    now = time.time() if now is None else now
-    out = {}
-    for k, v in raw.items():
-        try:
-            stats = json.loads(v)
-        except ValueError:
-            continue
-        if now - stats.get("ts", 0) <= STALE_S:
-            out[k.decode() if isinstance(k, bytes) else k] = stats
-    return out
+    return heartbeat.live(client.hgetall(HEARTBEATS), now)
 
 
 def queue_depths(client, queues: Iterable[str], own: dict[str, str] | None = None) -> dict[tuple[str, int], int]:

@@ -248,9 +248,10 @@ def served(worker: WorkerProcess, base: str, model: str, work, processes: dict[s
 
 
 def _engine(label: str) -> bool:
-    """A process that runs the model: our worker's engine process (a multiprocessing child of the
-    worker), vLLM's engine core (it names itself VLLM::EngineCore)."""
-    return label.startswith("worker/") or "EngineCore" in label
+    """A process of the engine: our worker's engine process (a multiprocessing child of the worker);
+    vLLM's engine core (its scheduler: VLLM::EngineCore) and the worker that runs its model
+    (VLLM::Worker). Outside it: our gateway, worker main process and Redis; vLLM's API server."""
+    return label.startswith("worker/") or "EngineCore" in label or "VLLM::Worker" in label
 
 
 class VllmServer:

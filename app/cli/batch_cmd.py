@@ -18,6 +18,7 @@ from weightq.gateway.openai_batch import OpenAIBatchLines
 from weightq.metrics import read_live_workers
 from weightq.redis_conn import redacted
 from weightq.settings import Settings
+from weightq.tasks.heartbeat import Heartbeat
 
 from .redis_server import ensure_redis
 
@@ -102,9 +103,9 @@ def cmd_batch(args: argparse.Namespace) -> int:
     return 130 if interrupted else 0
 
 
-def queue_workers(client: Client, queue: str) -> dict[str, dict]:
+def queue_workers(client: Client, queue: str) -> dict[str, Heartbeat]:
     """The live workers that consume `queue`, by name, from their heartbeats."""
-    return {name: w for name, w in read_live_workers(client.redis).items() if w.get("queue") == queue}
+    return {name: w for name, w in read_live_workers(client.redis).items() if w.queue == queue}
 
 
 def served_model(client: Client, settings: Settings, url: str) -> str:
@@ -117,7 +118,7 @@ def served_model(client: Client, settings: Settings, url: str) -> str:
             "wait forever. Start one with `weightq worker` (the same REDIS_URL and QUEUE), or run the file with a "
             "worker of its own: `weightq batch --local ...`"
         )
-    names = sorted({str(w.get("served_model") or w.get("model")) for w in workers.values()})
+    names = sorted({w.served_model for w in workers.values()})
     if len(names) > 1:
         raise SystemExit(
             f"weightq batch: the workers of queue {settings.queue!r} serve different models ({', '.join(names)}); "

@@ -102,7 +102,7 @@ class Stack:
             try:
                 workers = read_live_workers(r)
                 if workers and httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    return next(iter(workers.values()))
+                    return dict(next(iter(workers.values())).stats)
             except (redis.RedisError, httpx.TransportError):
                 pass
             if time.monotonic() > deadline:
@@ -119,8 +119,8 @@ class Stack:
 
     def worker_stats(self) -> dict:
         r = connect_streams(self.settings, self.url, socket_timeout=5)  # the heartbeats
-        workers = read_live_workers(r)
-        return next(iter(workers.values()), {})
+        beat = next(iter(read_live_workers(r).values()), None)
+        return dict(beat.stats) if beat else {}
 
     def stop(self) -> None:
         order = sorted(self.children, key=lambda c: c.name == "worker")  # front doors first, then the worker

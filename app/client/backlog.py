@@ -22,6 +22,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from weightq.tasks.heartbeat import Heartbeat
 from weightq.tasks.limits import MAX_PRIORITY
 
 MAX_REPLAY = 20_000  # jobs replayed one by one; the rest extrapolated
@@ -43,28 +44,21 @@ class WorkerOutlook:
     waiting: Mapping[int, int] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, stats: Mapping, now: float | None = None) -> WorkerOutlook | None:
-        """From a heartbeat (None without an outlook: a worker older than this code), moved on to
-        `now`: its requests are that much nearer their end (the heartbeat is up to a second old, and
-        the jobs the worker took from the queue meanwhile are in neither: `project` lets the slots
-        freed since go to them)."""
-        o = stats.get("outlook")
-        if not isinstance(o, Mapping):
+    def of(cls, beat: Heartbeat, now: float | None = None) -> WorkerOutlook | None:
+        """From a heartbeat (None without an outlook), moved on to `now`: its requests are that much
+        nearer their end (the heartbeat is up to a second old, and the jobs the worker took from the
+        queue meanwhile are in neither: `project` lets the slots freed since go to them)."""
+        o = beat.outlook
+        if o is None:
             return None
-        step_s = float(stats.get("recent_step_s") or 0.0)
-        if step_s <= 0:
-            steps = float(stats.get("steps") or 0)
-            step_s = float(stats.get("step_s") or 0.0) / steps if steps else DEFAULT_STEP_S
-        points = [int(x) for x in o.get("finish_steps", ())]
-        running = int(o.get("running", len(points)))
+        step_s = beat.step_s or DEFAULT_STEP_S
+        points, running = o.finish_steps, o.running
         # each published point stands for running / len(points) requests (quantiles of a large batch)
-        ts = stats.get("ts")
-        age = min(MAX_AGE_S, max(0.0, now - float(ts))) if now is not None and ts else 0.0
+        age = min(MAX_AGE_S, max(0.0, now - beat.ts)) if now is not None and beat.ts else 0.0
         free_at = [points[(i * len(points)) // running] * step_s - age for i in range(running)] if points else []
-        mean = float(o.get("mean_output") or 0.0) or DEFAULT_OUTPUT
-        slots = max(int(o.get("slots", running)), running, 1)
-        waiting = {int(k): int(v) for k, v in (o.get("waiting") or {}).items()}
-        return cls(tuple(free_at), slots, max(1.0, mean) * step_s, waiting)
+        mean = o.mean_output or DEFAULT_OUTPUT
+        slots = max(o.slots, running, 1)
+        return cls(tuple(free_at), slots, max(1.0, mean) * step_s, dict(o.waiting))
 
 
 @dataclass(frozen=True)

@@ -63,9 +63,9 @@ class Backpressure:
         queue = self.settings.queue
         now = time.time()
         beats = read_live_workers(self.redis, now).values()
-        workers = [w for w in beats if (w.get("queue") or queue) == queue]
+        workers = [w for w in beats if w.serves(queue)]
         # the shared queue's lists and each worker's own (prefix affinity): a job waits in one of them
-        queues = [queue, *sorted({w["own_queue"] for w in workers if w.get("own_queue")})]
+        queues = [queue, *sorted({w.own_queue for w in workers if w.own_queue})]
         queued: Counter[int] = Counter()
         for by_priority in waiting_by_priority(self.broker, queues):  # lists and staged sets
             for i, n in enumerate(by_priority):

@@ -39,12 +39,12 @@ class Router:
         if now - self._read_at >= REFRESH_S:
             live = read_live_workers(self.redis)
             queue = self.settings.queue
-            mine = {name: s for name, s in live.items() if s.get("queue") == queue}
-            self._workers = {name: s["own_queue"] for name, s in mine.items() if s.get("own_queue")}
-            self._structured = any(s.get("structured", True) for s in mine.values()) if mine else None
+            mine = {name: w for name, w in live.items() if w.queue == queue}
+            self._workers = {name: w.own_queue for name, w in mine.items() if w.own_queue}
+            self._structured = any(w.structured for w in mine.values()) if mine else None
             self._adapters = {}
-            for name, s in mine.items():
-                for adapter in s.get("adapters", ()):
+            for name, w in mine.items():
+                for adapter in w.adapters:
                     self._adapters.setdefault(adapter, set()).add(name)
             self._live = bool(mine)
             self._read_at = now

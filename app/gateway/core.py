@@ -25,6 +25,7 @@ from weightq.metrics import BacklogCollector, QueueCollector, WorkerCollector, q
 from weightq.redis_conn import redacted
 from weightq.settings import Settings
 from weightq.tasks.contract import DEAD, Replay, job_key, outcome
+from weightq.tasks.heartbeat import Heartbeat
 from weightq.tasks.limits import ID_PATTERN, LOCAL_TENANT
 from weightq.tasks.request import JobRequest
 
@@ -74,7 +75,7 @@ class Gateway:
         )
         # What every gateway would render alike (from Redis) is exported apart, to be scraped once.
         self.cluster = CollectorRegistry()
-        self.cluster.register(WorkerCollector(self.workers))
+        self.cluster.register(WorkerCollector(lambda: {n: w.stats for n, w in self.workers().items()}))
         self.cluster.register(QueueCollector(self.queue_depths))
         self.cluster.register(BacklogCollector(self.client.backpressure.projection))
         dead = Gauge("weightq_dead_letters", "Jobs dead-lettered after too many attempts (weightq:dead)",
@@ -108,14 +109,14 @@ class Gateway:
     def queue_depths(self) -> dict[tuple[str, int], int]:
         """Per class, the jobs waiting on this gateway's queue and on every queue a live worker serves."""
         workers = self.workers().values()
-        queues = {self.settings.queue, *(w.get("queue") or self.settings.queue for w in workers)}
-        own = {w["own_queue"]: w.get("queue") or self.settings.queue for w in workers if w.get("own_queue")}
+        queues = {self.settings.queue, *(w.queue or self.settings.queue for w in workers)}
+        own = {w.own_queue: w.queue or self.settings.queue for w in workers if w.own_queue}
         try:
             return queue_depths(self.client.broker, queues, own)  # a worker's own queue counts for its queue
         except redis.RedisError:
             return {}
 
-    def workers(self) -> dict[str, dict]:
+    def workers(self) -> dict[str, Heartbeat]:
         try:
             return read_live_workers(self.client.redis)
         except redis.RedisError:
@@ -123,7 +124,7 @@ class Gateway:
 
     def adapters(self) -> set[str]:
         """The LoRA adapters live workers serve now (their heartbeats, read afresh)."""
-        return {a for w in self.workers().values() for a in w.get("adapters", ())}
+        return {a for w in self.workers().values() for a in w.adapters}
 
     async def submit(self, job: JobRequest) -> str:
         return await self.submitter.submit(job)

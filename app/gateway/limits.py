@@ -91,10 +91,9 @@ class ServingLimits:
         now = time.monotonic()
         if now - self._at > 2.0:
             workers = list(self._workers().values())
-            limits = [w.get("max_total_tokens") for w in workers]
-            self._limit = min((n for n in limits if isinstance(n, int) and n > 0), default=0)
-            self._structured = any(w.get("structured", True) for w in workers) if workers else None
-            self._adapters = {a for w in workers for a in w.get("adapters", ())} if workers else None
+            self._limit = min((w.max_total_tokens for w in workers if w.max_total_tokens > 0), default=0)
+            self._structured = any(w.structured for w in workers) if workers else None
+            self._adapters = {a for w in workers for a in w.adapters} if workers else None
             self._at = now
         return self._limit
 

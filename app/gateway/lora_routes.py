@@ -28,7 +28,7 @@ def register(app: FastAPI, gw: Gateway) -> None:
         if name in gw.adapters():
             raise HTTPError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
         workers = gw.workers()
-        if workers and not any(w.get("lora") for w in workers.values()):
+        if workers and not any(w.lora for w in workers.values()):
             raise HTTPError(400, "no live worker serves LoRA adapters (start them with ENABLE_LORA=1)", "lora_name")
         r = gw.client.redis
         await asyncio.to_thread(lambda: (r.hdel(LORA_ERRORS, name), r.hset(LORA_ADAPTERS, name, path)))

@@ -111,15 +111,15 @@ def register(app: FastAPI, gw: Gateway) -> None:
     @app.get("/info")
     def info() -> dict:
         workers = gw.workers()
-        any_worker = next(iter(workers.values()), {})
+        any_worker = next(iter(workers.values()), None)
         s = gw.settings
         return {
             "model_id": gw.model,
             "model_dtype": s.dtype,
             "model_device_type": s.device,
-            "max_input_tokens": any_worker.get("max_input_length", s.max_input_length or None),
-            "max_total_tokens": any_worker.get("max_total_tokens", s.max_total_tokens or None),
-            "max_batch_total_tokens": any_worker.get("max_batch_weight"),
+            "max_input_tokens": any_worker.max_input_length if any_worker else s.max_input_length or None,
+            "max_total_tokens": any_worker.max_total_tokens if any_worker else s.max_total_tokens or None,
+            "max_batch_total_tokens": any_worker.max_batch_weight if any_worker else None,
             "max_concurrent_requests": s.concurrency * max(1, len(workers)),
             "workers": len(workers),
             "router": "weightq",

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -22,6 +21,7 @@ import redis
 from weightq.engine import AnyEngine
 from weightq.redis_conn import is_transient
 from weightq.settings import Settings
+from weightq.tasks import heartbeat
 from weightq.tasks.contract import CANCEL_CHANNEL, HEARTBEATS
 
 from .inflight import InFlight
@@ -133,4 +133,4 @@ def delivery_tag_of(consumer: Any, job_id: str) -> str | None:
 
 def heartbeat_loop(client: redis.Redis, hostname: str, stats: Callable[[], dict], stop) -> None:
     while not stop.wait(1.0):
-        client.hset(HEARTBEATS, hostname, json.dumps(stats() | {"ts": time.time()}))
+        client.hset(HEARTBEATS, hostname, heartbeat.encode(stats()))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 from weightq.client.backlog import WorkerOutlook, project
+from weightq.tasks import heartbeat
+from weightq.tasks.heartbeat import Heartbeat
 
 
 def worker(free_at=(), slots=1, job_s=1.0, waiting=None) -> WorkerOutlook:
@@ -56,15 +58,33 @@ def test_no_worker_means_no_projection():
 
 
 def test_an_outlook_from_a_heartbeat():
-    beat = {
+    stats = {
         "recent_step_s": 0.1,
         "outlook": {"finish_steps": [10, 30], "running": 4, "slots": 6, "waiting": {"7": 2}, "mean_output": 20},
     }
+    beat = Heartbeat.decode(b"w1", heartbeat.encode(stats))
+    assert beat is not None and beat.name == "w1" and beat.fresh()
     w = WorkerOutlook.of(beat)
     assert w is not None
     assert w.slots == 6 and w.job_s == 2.0 and w.waiting == {7: 2}
     assert sorted(w.free_at) == [1.0, 1.0, 3.0, 3.0]  # two points stand for four requests
-    assert WorkerOutlook.of({"running": 1}) is None  # a worker from before outlooks
+    assert WorkerOutlook.of(Heartbeat.decode("w2", '{"running": 1}')) is None  # no outlook published
+
+
+def test_heartbeats_decode_once_and_the_stale_or_broken_are_left_out():
+    now = 1000.0
+    raw = {
+        b"fresh": heartbeat.encode({"queue": "q", "own_queue": "q.w.fresh", "adapters": ["a"], "steps": 4,
+                                    "step_s": 0.2, "max_total_tokens": 2048, "structured": False}, now - 1),
+        b"old": heartbeat.encode({"queue": "q"}, now - heartbeat.STALE_S - 1),
+        b"junk": b"not json",
+    }  # fmt: skip
+    live = heartbeat.live(raw, now)
+    assert list(live) == ["fresh"]
+    w = live["fresh"]
+    assert (w.queue, w.own_queue, w.adapters) == ("q", "q.w.fresh", ("a",))
+    assert w.max_total_tokens == 2048 and w.structured is False
+    assert w.step_s == 0.05 and w.serves("q") and not w.serves("other") and w.stats["steps"] == 4
 
 
 def test_refusals_are_promised_slots_in_turn():
