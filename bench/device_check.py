@@ -22,7 +22,7 @@ run cut off keeps what it measured. Phases, in order:
   outputs of a few requests against `generate()` with the bf16 tie rule of tests/engine/test_cuda.py.
 
 --dry-run runs the same code on CPU with a tiny shape and a few requests, skipping what needs CUDA
-(tests/unit/test_device_check.py runs it). Random Llama weights use initializer_range 0.1 (engine/model/builtin.py):
+(tests/repo/test_device_check.py runs it). Random Llama weights use initializer_range 0.1 (engine/model/builtin.py):
 at 0.02 greedy output collapses to a few repeated tokens and equality would mean nothing.
 """
 

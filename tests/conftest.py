@@ -71,7 +71,7 @@ def service(redis_url, tmp_path, monkeypatch):
             # The engine in the worker's process: a spawned engine child adds ~3 s to each of the
             # suite's worker starts on 2 cores. The child (the default on a CPU of 2+ cores) has its
             # own tests: tests/engine/test_core_process.py, the restarts and the dead engine in
-            # tests/service/test_faults.py, and every stack started without this factory.
+            # tests/app/worker/test_faults.py, and every stack started without this factory.
             settings.setdefault("engine_process", "off")
             w = WorkerProcess(redis_url, name, tmp_path, **settings)
             workers.append(w)

@@ -167,16 +167,13 @@ class JobRunner:
         except Closed:  # shutting down before it could start: back to the queue as it was
             final, written = None, True
         if not written:  # Redis down too long: the task ends the job (FAIL), and its queued entries go
-            self.publisher.abandon(job_id)
-            self.publisher.failed.pop(job_id, None)
-            self.publisher.superseded.discard(job_id)
+            self.publisher.runs.abandon(job_id)
             raise GenerationFailed(f"job {job_id}: its end entry was not written in {s.redis_retry_s} s")
-        why = self.publisher.failed.pop(job_id, None)
-        if job_id in self.publisher.superseded:
-            self.publisher.superseded.discard(job_id)
+        end = self.publisher.runs.ended(job_id)
+        if end.superseded:
             raise Ignore(f"job {job_id} resumed on another worker while this one was taken for dead")
-        if why is not None:
-            raise GenerationFailed(why)  # its stream ended with an error entry (publisher._abort)
+        if end.refused is not None:
+            raise GenerationFailed(end.refused)  # its stream ended with an error entry (publisher._abort)
         if final is None or (final.reason == "cancelled" and final.error == SHUTDOWN):
             # Back to the queue, unless its client cancelled it during the grace period (a cancel the
             # engine missed: its pub/sub message can be lost while the cancel loop restarts).
@@ -202,16 +199,14 @@ class JobRunner:
         # The stream writer records the job's end entry and final state together; the task returns
         # (and its message is acked) only after that, so a worker killed at any point leaves either a
         # finished job with its end entry or a running one that its redelivery runs again.
-        self.publisher.annotations[job_id] = extra
-        self.publisher.fences[job_id] = attempt
-        written = self.publisher.expect(job_id)
+        written = self.publisher.runs.begin(job_id, attempt, extra)
         key, shard = engine_jobs_key(self.instance), self.plane.of(job_id)  # the shard's own set (reaper.py)
         self.retrying(lambda: shard.pipeline().sadd(key, job_id).expire(key, 86_400).execute())
         try:
             final = self.engine.submit(request).result()
             return final, written.wait(self.settings.redis_retry_s)
         finally:
-            self.publisher.fences.pop(job_id, None)
+            self.publisher.runs.end(job_id)
             with contextlib.suppress(redis.RedisError):  # a stale member is never charged (reaper.py)
                 shard.srem(key, job_id)
 

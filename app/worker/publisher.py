@@ -31,6 +31,8 @@ from weightq.tasks.contract import (
 )
 from weightq.token_plane import TokenPlane
 
+from .runs import RunBook
+
 log = logging.getLogger(__name__)
 
 
@@ -59,26 +61,17 @@ class StreamPublisher:
         )
         self._writer = threading.Thread(target=self._write_loop, name="weightq-streams", daemon=True)
         self._writer.start()
-        self.annotations: dict[str, dict] = {}  # job id -> fields added to its result (attempt, worker)
+        self.runs = RunBook()  # each job's run here: its fence, result fields, end (shared with JobRunner)
         self.requeueing = False  # set at shutdown: jobs the engine stops go back to the queue, so no end entry
         self.metrics: EngineMetrics | None = None
         self.writer_key = writer_key(uuid.uuid4().hex)  # the last batch applied (see _apply)
-        self._finals: dict[str, threading.Event] = {}  # job id -> set once its finish is written (see expect)
-        # job id -> the attempt its entries belong to: WRITE_BATCH refuses them once a later run began
-        self.fences: dict[str, int] = {}
-        self.superseded: set[str] = set()  # jobs whose writes were refused so (a later run owns them)
         self.on_superseded: Callable[[str], None] | None = None  # told each such job once (to stop it)
         self._seq = 0
         self._batch_script = plane.home.register_script(WRITE_BATCH)  # run on each shard (Script takes a client)
         self._abort_script = plane.home.register_script(ABORT)
-        # job id -> why its stream could not be written: its entries are dropped from then on, the
-        # job ends with an error (JobRunner reads this), and `on_write_failed` stops it in the engine
-        self.failed: dict[str, str] = {}
+        # a job whose stream could not be written: its entries are dropped from then on, the job ends
+        # with an error (RunBook.refuse; JobRunner reads it), and `on_write_failed` stops it in the engine
         self.on_write_failed: Callable[[str], None] | None = None
-        # jobs whose task stopped waiting for their end (Redis down past REDIS_RETRY_S) and ends them
-        # itself (FAIL): their entries still queued here are dropped, so a job never ends twice
-        self.abandoned: set[str] = set()
-        self._lock = threading.Lock()  # _finals and abandoned: the writer and the task threads
 
     def __call__(self, event: Event, emitted: float | None = None) -> None:
         """`emitted`: the engine's stamp when it runs in a process of its own (else now)."""
@@ -93,28 +86,13 @@ class StreamPublisher:
         and no fields dict per token on the thread that reads the engine's messages."""
         self._pending.append((tokens, emitted))
 
-    def expect(self, job_id: str) -> threading.Event:
-        """An event set once the job's last entry and final state are in Redis (or its finish was
-        skipped: a job going back to the queue). Its task must not finish (be acked) before: a worker
-        killed in between would leave a job that no redelivery runs again and no reader sees end."""
-        with self._lock:
-            written = self._finals[job_id] = threading.Event()
-        return written
-
     def flush(self) -> None:
         """The step's events go to the writer with the fences of now, while their runs are current:
         a batch that Redis refuses for a while is retried under the attempt it was written by, even
         once its task has given up and dropped the job's fence."""
         if self._pending:
             batch, self._pending = self._pending, []
-            self._batches.put((batch, dict(self.fences)))
-
-    def abandon(self, job_id: str) -> None:
-        """The job's task gave up waiting for its end to be written and ends it itself: drop what of
-        it is still queued (nothing if its finish was already handled)."""
-        with self._lock:
-            if job_id in self._finals:
-                self.abandoned.add(job_id)
+            self._batches.put((batch, self.runs.fences()))
 
     def close(self) -> None:
         self.flush()
@@ -131,10 +109,9 @@ class StreamPublisher:
             self._seq += 1
             refused = 0
             while entries:
-                if self.abandoned:
-                    entries = [e for e in entries if job_of_stream(e[0]) not in self.abandoned]
-                    if not entries:
-                        break
+                entries = self.runs.drop_abandoned(entries)
+                if not entries:
+                    break
                 try:
                     self._apply(self._seq, entries, fences)
                     break
@@ -151,23 +128,20 @@ class StreamPublisher:
                     time.sleep(0.5)
             for ev, _ in batch:
                 if isinstance(ev, FinishEvent):
-                    with self._lock:
-                        written = self._finals.pop(ev.request_id, None)
-                        self.abandoned.discard(ev.request_id)
-                    if written is not None:
-                        written.set()
+                    self.runs.written(ev.request_id)
 
     def _abort(self, entries: list[tuple], error: redis.RedisError, fences: dict[str, int] | None = None) -> None:
         """Redis keeps refusing this batch: its jobs end with an error entry (ABORT, which gets
         through under maxmemory) and stop in the engine; the other jobs' streams go on."""
-        jobs = {job_of_stream(entry[0]) for entry in entries} - self.failed.keys() - self.superseded
+        jobs = {j for j in {job_of_stream(entry[0]) for entry in entries} if not self.runs.refused(j)}
         message = f"the worker cannot write this job's stream: Redis refused it ({str(error)[:200]})"
         log.error("%s: ending %d jobs with an error", message, len(jobs))
         for job_id in jobs:
             ended = Aborted.ENDED
             try:
                 keys = [job_key(job_id), stream_key(job_id)]
-                attempt = (self.fences if fences is None else fences).get(job_id, "")
+                attempt = self.runs.fence(job_id) if fences is None else fences.get(job_id)
+                attempt = "" if attempt is None else attempt
                 args = [self.maxlen, self.ttl_s, self.job_ttl_s, message, attempt]
                 ended = Aborted(self.plane.durable(job_id).run(self._abort_script, keys, args))
             except redis.RedisError as e:
@@ -175,19 +149,19 @@ class StreamPublisher:
             if ended == Aborted.SUPERSEDED:  # fenced off: a later run owns the job, not this run's to end
                 self._supersede(job_id)
                 continue
-            self.failed[job_id] = message
+            self.runs.refuse(job_id, message)
             if self.on_write_failed is not None:
                 self.on_write_failed(job_id)
 
     def _entries(self, batch: list[tuple[Event | list[tuple], float]]) -> list[tuple]:
-        return entries_of(batch, self.failed, self.annotations, self.requeueing)
+        return entries_of(batch, self.runs.refused_jobs(), self.runs.annotations, self.requeueing)
 
     def _apply(self, seq: int, entries: list[tuple], fences: dict[str, int] | None = None) -> None:
         """One script call per batch and shard, applied at most once: a retry after a lost reply (Redis
         crashed after applying it), or after another shard refused its part, is a no-op on a shard
         that has it instead of a second copy of every entry. `fences`: those the batch was flushed
         with (None: the live table)."""
-        fenced = self.fences if fences is None else fences
+        fenced = self.runs.fences() if fences is None else fences
         if len(self.plane) == 1:
             self._apply_on(self.plane.durables[0], seq, entries, fenced)
             return
@@ -233,17 +207,16 @@ class StreamPublisher:
     def _supersede(self, job_id: str) -> None:
         """A later run of the job began elsewhere (this worker was taken for dead): this run's
         writes are refused from now on, and it stops."""
-        if job_id not in self.superseded:
+        if self.runs.supersede(job_id):
             log.warning("job %s resumed on another worker: this run's writes are refused; stopping it", job_id)
-            self.superseded.add(job_id)
             if self.on_superseded is not None:
                 self.on_superseded(job_id)
 
 
 def entries_of(
     batch: list[tuple[Event | list[tuple], float]],
-    failed: dict[str, str],
-    annotations: dict[str, dict],
+    failed: set[str],
+    annotations: Callable[[str], dict],
     requeueing: bool,
 ) -> list[tuple]:
     """What to write for each event worth writing: (stream key, (index, text, token id, stamp))
@@ -262,7 +235,7 @@ def entries_of(
             out.append(_token_entry(ev.request_id, ev.index, ev.token_id, ev.text, ev.logprobs, f"{emitted:.6f}"))
             continue
         key = stream_key(ev.request_id)
-        extra = annotations.pop(ev.request_id, {})
+        extra = annotations(ev.request_id)
         if requeueing and ev.reason == "cancelled" and ev.error == SHUTDOWN:
             continue  # requeued (or ended by the REQUEUE script): jobs.py. A client's cancel ends here.
         if ev.reason == "error":

@@ -12,6 +12,7 @@ from weightq.engine.attention.flash import available as flash_available
 
 from tests.reference import assert_greedy_equal, mixed_requests
 
+pytestmark = pytest.mark.gpu
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none on this machine")
 flash = pytest.mark.skipif(not flash_available(), reason="needs CUDA and the flash-attn package (weightq[cuda])")
 BF16_TIE = 5e-2  # bf16 logits are noisy: a divergence below this top1-top2 gap is a tie

@@ -222,7 +222,7 @@ def test_no_max_new_tokens_runs_to_the_context_limit(tiny_loaded):
 
 
 def test_bad_requests_fail_alone_with_errors_naming_the_field(tiny_loaded):
-    """What needs the model (the contract checked the rest: tests/unit/test_request.py)."""
+    """What needs the model (the contract checked the rest: tests/tasks/test_request.py)."""
     engine = Engine(EngineConfig(check_invariants=True, max_total_tokens=128), loaded=tiny_loaded)
     bad = {"max_new_tokens": SamplingParams(max_new_tokens=0)}  # the batcher's own check
     reqs = [GenerationRequest(f"bad-{k}", prompt="hi", params=p) for k, p in bad.items()]

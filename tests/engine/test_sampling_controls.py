@@ -115,7 +115,7 @@ def test_penalties_bias_and_min_tokens_match_their_definitions(tiny_loaded, refe
 
 
 def test_a_logit_bias_beyond_the_vocabulary_is_refused(tiny_loaded):
-    """Out-of-range controls are the contract's to refuse (tests/unit/test_request.py); the vocabulary
+    """Out-of-range controls are the contract's to refuse (tests/tasks/test_request.py); the vocabulary
     is the engine's."""
     engine = Engine(EngineConfig(), loaded=tiny_loaded)
     params = SamplingParams(logit_bias=((engine.logits_width, 1.0),))

@@ -1,0 +1,66 @@
+"""The gateway's stream hub on a real Redis: batches in order through the end entry, and the idle
+timeout that only a silent stream reaches."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis
+from weightq.gateway.hub import StreamHub
+from weightq.settings import Settings
+from weightq.tasks.contract import EntryType, stream_key
+
+pytestmark = pytest.mark.service  # real Redis servers and worker processes
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def collect(hub: StreamHub, job_id: str, idle_s: float | None) -> list[tuple[str, dict]]:
+    out: list[tuple[str, dict]] = []
+    async for batch in hub.follow_batches(job_id, idle_timeout_s=idle_s):
+        out += batch
+    return out
+
+
+def test_follower_gets_every_entry_through_the_end(redis_url):
+    sync = redis.Redis.from_url(redis_url)
+
+    async def main():
+        hub = StreamHub([redis_url], Settings(redis_url=redis_url))
+        await hub.start()
+        try:
+            reader = asyncio.create_task(collect(hub, "hub-a", idle_s=5))
+            for i in range(5):  # slower than the watchdog's check: a live stream never times out
+                await asyncio.to_thread(sync.xadd, stream_key("hub-a"), {"type": EntryType.TOKEN, "i": i, "text": "x"})
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(sync.xadd, stream_key("hub-a"), {"type": EntryType.END, "result": "{}"})
+            await asyncio.to_thread(sync.xadd, stream_key("hub-a"), {"type": EntryType.TOKEN, "i": 9, "text": "late"})
+            got = await asyncio.wait_for(reader, 10)
+            assert [f.get("i") for _, f in got] == ["0", "1", "2", "3", "4", None]
+            assert got[-1][1]["type"] == EntryType.END and hub.following == 0
+        finally:
+            await hub.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("idle_s", [0.4, 1.2])
+def test_silent_stream_times_out_near_its_idle_timeout(redis_url, idle_s):
+    async def main():
+        hub = StreamHub([redis_url], Settings(redis_url=redis_url))
+        await hub.start()
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(collect(hub, f"hub-silent-{idle_s}", idle_s=idle_s), 30)
+            waited = time.monotonic() - t0
+            assert idle_s <= waited, waited  # never early; late by at most a check, plus a busy machine
+            assert hub.following == 0
+        finally:
+            await hub.close()
+
+    run(main())

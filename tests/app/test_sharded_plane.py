@@ -1,0 +1,198 @@
+"""The token plane over two Redis shards (STREAMS_REDIS_URL="a,b"): each job's keys, and the shard's
+own index keys, live on the shard its id hashes to; the pool's keys on the first. Jobs submitted
+through the client and the gateway stream, finish, cancel and resume after a worker's SIGKILL exactly
+as on one Redis, and a job whose message the broker lost is sent again from its shard."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import redis
+from weightq.cli.processes import GatewayProcess, WorkerProcess
+from weightq.client import Client
+from weightq.settings import Settings
+from weightq.tasks.contract import HEARTBEATS, LEASES, QUEUED, STREAM_TICK, job_key, shard_of, stream_key
+
+from tests.app.worker.test_crash_resume import check_one_generation
+from tests.servers import embedded_redis, queued_messages, take_queued
+from tests.sse_client import openai_text, read_sse
+
+pytestmark = pytest.mark.service  # real Redis servers and worker processes
+
+WORKER = dict(max_batch_weight=16384, concurrency=32, engine_process="off", visibility_timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def shard_urls(tmp_path_factory):
+    gens = [embedded_redis(tmp_path_factory, f"shard{n}") for n in range(2)]
+    urls = [next(g) for g in gens]
+    yield urls
+    for g in gens:
+        next(g, None)
+
+
+def ids_on_both(prefix: str, n: int) -> list[str]:
+    """`n` ids, alternating between the two shards."""
+    ids: list[str] = []
+    k = 0
+    while len(ids) < n:
+        candidate = f"{prefix}{k}"
+        if shard_of(candidate, 2) == len(ids) % 2:
+            ids.append(candidate)
+        k += 1
+    return ids
+
+
+@pytest.fixture
+def plane(redis_url, shard_urls, tmp_path):
+    broker = redis.Redis.from_url(redis_url, decode_responses=True)
+    shards = [redis.Redis.from_url(u, decode_responses=True) for u in shard_urls]
+    for r in (broker, *shards):
+        r.flushall()
+    workers: list[WorkerProcess] = []
+    streams = ",".join(shard_urls)
+
+    class Plane:
+        url = redis_url
+        streams_redis_url = streams
+        client = Client(redis_url, settings=Settings(redis_url=redis_url, streams_redis_url=streams))
+
+        @staticmethod
+        def shard(job_id: str) -> redis.Redis:
+            return shards[shard_of(job_id, 2)]
+
+        @staticmethod
+        def worker(name: str, **settings) -> WorkerProcess:
+            w = WorkerProcess(redis_url, name, tmp_path, streams_redis_url=streams, **(WORKER | settings))
+            workers.append(w)
+            return w
+
+    Plane.broker, Plane.shards = broker, shards
+    yield Plane
+    for w in workers:
+        w.kill()
+
+
+def test_each_jobs_keys_live_on_its_shard_and_everything_works_as_on_one(plane, tmp_path):
+    home, other = plane.shards
+    ids = ids_on_both("sh", 8)
+    early = [plane.client.submit(f"sharded {i}", max_new_tokens=24, request_id=j) for i, j in enumerate(ids)]
+    assert len(queued_messages(plane.broker)) == 8
+    for job in early:  # recorded on its own shard, listed in that shard's queued set, absent from the other
+        assert plane.shard(job.id).hget(job_key(job.id), "state") == "queued"
+        assert plane.shard(job.id).zscore(QUEUED, job.id) is not None
+        assert not (set(plane.shards) - {plane.shard(job.id)}).pop().exists(job_key(job.id))
+    first_worker = plane.worker("shard@test")
+    first_worker.wait_ready()
+    gateway = GatewayProcess(plane.url, tmp_path, streams_redis_url=plane.streams_redis_url).wait_ready()
+    try:
+        assert httpx.get(gateway.base + "/health", timeout=10).json()["workers"] == 1
+        streamed = []
+        for n in range(4):  # the gateway's jobs land on both shards too
+            out: dict = {}
+            body = {"prompt": f"sharded over http {n}", "max_tokens": 16, "stream": True, "ignore_eos": True}
+            read_sse(gateway.base, "/v1/completions", body, out)
+            streamed.append(out)
+        plain = httpx.post(gateway.base + "/v1/completions", json={"prompt": "plain", "max_tokens": 8}, timeout=120)
+        assert plain.status_code == 200, plain.text
+        # resuming a stream by Last-Event-ID finds the job on its shard
+        first = streamed[0]["events"][0][1]
+        again = httpx.post(
+            gateway.base + "/v1/completions",
+            json={"prompt": "sharded over http 0", "max_tokens": 16, "stream": True, "ignore_eos": True},
+            headers={"Last-Event-ID": first},
+            timeout=60,
+        )
+        assert again.status_code == 200 and "[DONE]" in again.text, again.text
+    finally:
+        gateway.stop()
+    http_jobs = [s["events"][0][1].split("/")[0] for s in streamed]
+    assert {shard_of(j, 2) for j in http_jobs + ids} == {0, 1}
+    for out, job_id in zip(streamed, http_jobs, strict=True):
+        assert out["status"] == 200
+        assert openai_text(out["events"]) == plane.client.job(job_id).result(timeout=30)["text"]
+    for job in early:
+        text = "".join(job.stream(timeout=120))
+        result = job.result(timeout=10)
+        assert text == result["text"]
+        check_one_generation(plane.shard(job.id), job.id, result)
+    # the pool's keys on the home; each shard its own tick
+    assert home.hlen(HEARTBEATS) == 1 and not other.exists(HEARTBEATS)
+    assert home.hexists(LEASES, plane.shard(ids[0]).hkeys(LEASES)[0])
+    assert home.exists(STREAM_TICK) and other.exists(STREAM_TICK)
+    assert not [k for k in plane.broker.keys("*") if k.startswith("weightq:")]
+
+    # cancels reach a queued job and a running one on either shard
+    first_worker.kill()
+    queued = [plane.client.submit("cancel queued", max_new_tokens=8, request_id=j) for j in ids_on_both("cq", 2)]
+    assert [job.cancel() for job in queued] == ["queued", "queued"]
+    second = plane.worker("shard2@test")
+    second.wait_ready()
+    running = [
+        plane.client.submit("cancel running", max_new_tokens=1500, ignore_eos=True, request_id=j)
+        for j in ids_on_both("cr", 2)
+    ]
+    for job in running:
+        deadline = time.monotonic() + 120
+        while plane.shard(job.id).xlen(stream_key(job.id)) < 3:
+            assert time.monotonic() < deadline, second.log()[-5000:]
+            time.sleep(0.05)
+        assert job.cancel() == "running"
+    for job in queued + running:
+        assert job.result(timeout=60)["finish_reason"] == "cancelled"
+
+
+def test_a_killed_workers_jobs_resume_elsewhere_on_both_shards(plane):
+    workers = {w.name: w for w in (plane.worker("sa@test"), plane.worker("sb@test"))}
+    for w in workers.values():
+        w.wait_ready()
+    ids = ids_on_both("k", 6)
+    jobs = [
+        plane.client.submit(f"kill {i}", max_new_tokens=1200, temperature=1.0, ignore_eos=True, request_id=j)
+        for i, j in enumerate(ids)
+    ]
+    texts = {job.id: [] for job in jobs}
+    readers = [threading.Thread(target=lambda j=job: texts[j.id].extend(j.stream(timeout=240))) for job in jobs]
+    for t in readers:
+        t.start()
+    for job in jobs:
+        deadline = time.monotonic() + 120
+        while plane.shard(job.id).xlen(stream_key(job.id)) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    owners = {job.id: plane.shard(job.id).hget(job_key(job.id), "owner").split("/")[0] for job in jobs}
+    # the victim: the worker running jobs on both shards (or else the one running most)
+    victim = max(workers, key=lambda w: (len({shard_of(j, 2) for j, o in owners.items() if o == w}), w))
+    (survivor,) = set(workers) - {victim}
+    running = {j for j, o in owners.items() if o == victim}
+    workers[victim].kill()
+    t0 = time.monotonic()
+    results = {job.id: job.result(timeout=240) for job in jobs}
+    for t in readers:
+        t.join(60)
+    assert time.monotonic() - t0 < 200  # the reaper, not the 600 s visibility timeout
+    assert running
+    for job_id, result in results.items():
+        got = check_one_generation(plane.shard(job_id), job_id, result)
+        assert "".join(texts[job_id]) == result["text"]
+        if job_id in running:
+            assert result["worker"] == survivor
+            resumed_from = [int(f["from"]) for f in got if f["type"] == "attempt"]
+            assert resumed_from[0] == 0 and resumed_from[-1] > 0, (job_id, resumed_from)
+    assert "is dead" in workers[survivor].log()
+    assert not plane.broker.hlen("unacked")
+    for shard in plane.shards:  # the dead instance's records are gone from every shard
+        assert all(not k.startswith(victim + "/") for k in shard.hkeys(LEASES))
+
+
+def test_a_lost_message_is_sent_again_from_its_shard(plane):
+    (job_id,) = [j for j in ids_on_both("lost", 2) if shard_of(j, 2) == 1]
+    job = plane.client.submit("lost on the broker", max_new_tokens=5, request_id=job_id)
+    assert take_queued(plane.broker) is not None
+    plane.worker("lost@test", lost_job_grace_s=1, recover_interval_s=1).wait_ready()
+    result = job.result(timeout=60)
+    assert result["usage"]["completion_tokens"] == 5 and result["attempt"] == 1
+    assert plane.shards[1].zscore(QUEUED, job_id) is None

@@ -1,0 +1,53 @@
+"""The consumer's batch take (app/transport.py TAKE) against a real Redis, through kombu itself."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+from weightq.transport import priority_queues
+
+pytestmark = pytest.mark.service  # real Redis servers and worker processes
+
+OPTIONS = {"priority_steps": list(range(10)), "queue_order_strategy": "priority"}
+
+
+def _connect(url: str) -> Connection:
+    return Connection(url, transport="weightq.transport:Transport", transport_options=OPTIONS)
+
+
+def test_one_drain_takes_a_burst_in_priority_order_and_records_each_as_unacked(service):
+    r = redis.Redis.from_url(service.url)
+    queue = Queue("burst", Exchange("burst", type="direct"), routing_key="burst")
+    with _connect(service.url) as conn:
+        producer = Producer(conn.channel(), exchange=queue.exchange, routing_key="burst")
+        queue(producer.channel).declare()
+        for i in range(12):
+            producer.publish({"i": i, "args": [None, None]}, priority=0 if i >= 9 else 5)
+        got = []
+        channel = conn.channel()
+        channel.basic_qos(prefetch_count=8)
+        consumer = Consumer(channel, [queue], callbacks=[lambda body, message: got.append((body, message))])
+        with consumer:
+            conn.drain_events(timeout=5)
+            # one BRPOP, then the rest of the prefetch room in one script call: 8 messages, the three
+            # urgent ones first, each recorded as unacked until acked
+            assert len(got) == 8
+            assert [b["i"] for b, _ in got[:3]] == [9, 10, 11]
+            assert [b["i"] for b, _ in got[3:]] == [0, 1, 2, 3, 4]
+            assert got[0][0]["args"] == [None, None]  # the payload byte for byte
+            assert r.hlen(channel.unacked_key) == 8 and r.zcard(channel.unacked_index_key) == 8
+            assert sum(r.llen(q) for q in priority_queues("burst")) == 4
+            for _, message in got[:5]:
+                message.ack()
+            assert r.hlen(channel.unacked_key) == 3
+            got[5][1].reject(requeue=True)  # back to its list, then delivered again
+            assert r.hlen(channel.unacked_key) == 2
+            for _, message in got[6:]:
+                message.ack()
+            while len(got) < 13:
+                conn.drain_events(timeout=5)
+            assert sorted(b["i"] for b, _ in got[8:]) == [2, 5, 6, 7, 8]  # nothing lost, nothing twice
+            for _, message in got[8:]:
+                message.ack()
+            assert r.hlen(channel.unacked_key) == 0 and r.zcard(channel.unacked_index_key) == 0

@@ -1,0 +1,153 @@
+"""The worker's stream writer against a real Redis: one WRITE_BATCH per step, applied at most once."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import redis
+from weightq.engine import FinishEvent, TokenEvent
+from weightq.engine.params import TokenLogprobs
+from weightq.settings import Settings
+from weightq.tasks.contract import STREAM_TICK, job_key, stream_key
+from weightq.token_plane import TokenPlane
+from weightq.worker.publisher import StreamPublisher
+from weightq.worker.runs import RunEnd
+
+pytestmark = pytest.mark.service  # real Redis servers and worker processes
+
+
+def _fields(r: redis.Redis, job: str) -> list[dict[str, str]]:
+    return [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrange(stream_key(job))]
+
+
+def test_plain_tokens_logprobs_and_the_end_land_as_the_contract_says_once(service):
+    r = redis.Redis.from_url(service.url)
+    pub = StreamPublisher(TokenPlane([r], Settings()), maxlen=1000, ttl_s=600)
+    try:
+        lp = TokenLogprobs("a", -0.25, (5, 8), ("a", "b"), (-0.25, -1.5))
+        finish = FinishEvent("j2", "length", "ab", (5, 7), 3, 2, 0.0, 0.1, 0.2)
+        batch = [
+            (TokenEvent("j1", 0, 5, " hé"), 100.5),
+            (TokenEvent("j2", 0, 5, "a", lp), 100.5),
+            (TokenEvent("j2", 1, 7, "b"), 100.75),
+            (finish, 100.75),
+        ]
+        entries = pub._entries(batch)
+        pub._apply(1, entries)
+        tick = r.xrange(STREAM_TICK)
+        pub._apply(1, entries)  # a retry after a lost reply: nothing twice
+        assert r.xrange(STREAM_TICK) == tick and len(tick) == 1  # one tick per batch applied, the last kept
+        assert _fields(r, "j1") == [{"type": "token", "i": "0", "text": " hé", "id": "5", "ts": "100.500000"}]
+        j2 = _fields(r, "j2")
+        assert [f["type"] for f in j2] == ["token", "token", "end"]
+        assert json.loads(j2[0]["lp"])[:2] == ["a", -0.25] and j2[0]["text"] == "a"
+        assert j2[1] == {"type": "token", "i": "1", "text": "b", "id": "7", "ts": "100.750000"}
+        assert j2[2]["reason"] == "length" and json.loads(j2[2]["result"])["token_ids"] == [5, 7]
+        assert r.hget(job_key("j2"), "state") == b"done" and r.ttl(stream_key("j2")) > 0
+        pub._apply(2, pub._entries([(TokenEvent("j1", 1, 6, ""), 101.0)]))  # an empty text is a value too
+        assert _fields(r, "j1")[1]["text"] == ""
+        (later,) = r.xrange(STREAM_TICK)  # readers blocked on the tick wake after the batch's entries
+        assert later[0] > tick[0][0] and later[1] == {b"seq": b"2"}
+        # A step's tuples from an engine process (tokens()) land as the same entries as its events.
+        pub._apply(3, pub._entries([([("j3", 0, 5, " hé", None), ("j3", 1, 6, "a", lp)], 102.25)]))
+        j3 = _fields(r, "j3")
+        assert j3[0] == {"type": "token", "i": "0", "text": " hé", "id": "5", "ts": "102.250000"}
+        assert json.loads(j3[1].pop("lp"))[:2] == ["a", -0.25]
+        assert j3[1] == {"type": "token", "i": "1", "text": "a", "id": "6", "ts": "102.250000"}
+    finally:
+        pub.close()
+
+
+def test_writes_of_a_run_that_another_run_replaced_are_refused(service):
+    """The fence: once a job's attempt moved on (it resumed elsewhere while this worker was taken for
+    dead), this writer's entries and final state for it are dropped, and the job is reported once."""
+    r = redis.Redis.from_url(service.url)
+    pub = StreamPublisher(TokenPlane([r], Settings()), maxlen=1000, ttl_s=600)
+    told: list[str] = []
+    pub.on_superseded = told.append
+    try:
+        r.hset(job_key("old"), mapping={"attempt": 2, "state": "running"})
+        r.hset(job_key("mine"), mapping={"attempt": 1, "state": "running"})
+        for job in ("old", "mine"):
+            pub.runs.begin(job, 1, {})
+        batch = [
+            (TokenEvent("old", 7, 5, "x"), 1.0),
+            (TokenEvent("mine", 0, 5, "y"), 1.0),
+            (FinishEvent("old", "length", "x", (5,), 1, 1, 0.0, 0.0, 0.0), 1.0),
+            (FinishEvent("mine", "length", "y", (5,), 1, 1, 0.0, 0.0, 0.0), 1.0),
+        ]
+        pub._apply(1, pub._entries(batch))
+        pub._apply(2, pub._entries([(TokenEvent("old", 8, 6, "z"), 2.0)]))
+        assert r.xrange(stream_key("old")) == [] and r.hget(job_key("old"), "state") == b"running"
+        assert [f["type"] for f in _fields(r, "mine")] == ["token", "end"]
+        assert r.hget(job_key("mine"), "state") == b"done"
+        assert told == ["old"] and pub.runs.ended("old").superseded and not pub.runs.ended("mine").superseded
+    finally:
+        pub.close()
+
+
+def test_an_abort_is_fenced_too(service):
+    """A batch Redis keeps refusing ends its jobs with an error entry (ABORT), except a job a later run
+    owns: that run is left alone, and this one is stopped as superseded."""
+    r = redis.Redis.from_url(service.url)
+    pub = StreamPublisher(TokenPlane([r], Settings()), maxlen=1000, ttl_s=600)
+    told, failed = [], []
+    pub.on_superseded, pub.on_write_failed = told.append, failed.append
+    try:
+        r.hset(job_key("old-a"), mapping={"attempt": 2, "state": "running"})
+        r.hset(job_key("mine-a"), mapping={"attempt": 1, "state": "running"})
+        for job in ("old-a", "mine-a"):
+            pub.runs.begin(job, 1, {})
+        entries = pub._entries([(TokenEvent("old-a", 3, 5, "x"), 1.0), (TokenEvent("mine-a", 0, 5, "y"), 1.0)])
+        pub._abort(entries, redis.ResponseError("OOM command not allowed"))
+        assert r.xrange(stream_key("old-a")) == [] and r.hget(job_key("old-a"), "state") == b"running"
+        assert told == ["old-a"] and pub.runs.ended("old-a") == RunEnd(None, True)
+        assert [f["type"] for f in _fields(r, "mine-a")] == ["error"] and r.hget(job_key("mine-a"), "state") == b"done"
+        end = pub.runs.ended("mine-a")
+        assert failed == ["mine-a"] and "refused" in end.refused and not end.superseded
+    finally:
+        pub.close()
+
+
+def test_a_batch_retried_through_an_outage_keeps_its_fences_and_drops_what_its_task_gave_up(tmp_path):
+    """Redis down longer than a task waits for its job's end: the batches still queued are retried
+    under the fences they were flushed with (the task has dropped its own by then), so a job that
+    resumed elsewhere meanwhile never gets this run's entries; and a job whose task gave up and ends
+    it itself (FAIL) loses its queued entries here, so it never ends twice."""
+    import time
+
+    from weightq.cli.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis(tmp_path)
+    url = server.start()
+    r = redis.Redis.from_url(url)
+    pub = StreamPublisher(TokenPlane([redis.Redis.from_url(url, socket_timeout=2)], Settings()), maxlen=1000, ttl_s=600)
+    told: list[str] = []
+    pub.on_superseded = told.append
+    try:
+        r.hset(job_key("moved"), mapping={"attempt": 2, "state": "running"})  # a later run began elsewhere
+        r.hset(job_key("gave-up"), mapping={"attempt": 1, "state": "running"})
+        r.hset(job_key("fine"), mapping={"attempt": 1, "state": "running"})
+        written = {job: pub.runs.begin(job, 1, {}) for job in ("moved", "gave-up", "fine")}["gave-up"]
+        server.stop()  # the outage: the writer retries the batch
+        for job in ("moved", "gave-up", "fine"):
+            pub(TokenEvent(job, 0, 5, "x"), 1.0)
+        pub(FinishEvent("gave-up", "length", "x", (5,), 1, 1, 0.0, 0.0, 0.0), 1.0)
+        pub.flush()
+        time.sleep(1.0)
+        for job in ("moved", "gave-up", "fine"):
+            pub.runs.end(job)  # every task stopped waiting and dropped its fence
+        pub.runs.abandon("gave-up")
+        server.start()
+        assert written.wait(30)
+        deadline = time.monotonic() + 30
+        while not r.xrange(stream_key("fine")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [f["type"] for f in _fields(r, "fine")] == ["token"]
+        assert r.xrange(stream_key("moved")) == [] and told == ["moved"]
+        assert r.xrange(stream_key("gave-up")) == [] and r.hget(job_key("gave-up"), "state") == b"running"
+        assert pub.runs.drop_abandoned([(stream_key("gave-up"),)]) == [(stream_key("gave-up"),)]  # forgotten
+    finally:
+        pub.close()
+        server.stop()
