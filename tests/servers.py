@@ -37,3 +37,44 @@ def take_queued(r, queue: str = "weightq") -> bytes | None:
         if popped := r.zpopmin(key):
             return popped[0][0]
     return None
+
+
+# workers of the split and sharded planes' tests: the reaper, not kombu's visibility timeout, resumes jobs
+PLANE_WORKER = dict(max_batch_weight=16384, concurrency=32, engine_process="off", visibility_timeout_s=600)
+
+
+class PlaneStack:
+    """Celery's broker on one Redis and the token plane on others (STREAMS_REDIS_URL: one server, or
+    several shards), a client of both, and the worker processes a test starts (`close` kills them)."""
+
+    def __init__(self, url: str, plane_urls: list[str], home) -> None:
+        import redis
+        from weightq.client import Client
+        from weightq.settings import Settings
+
+        self.url, self.home = url, home
+        self.streams_redis_url = ",".join(plane_urls)
+        self.broker = redis.Redis.from_url(url, decode_responses=True)
+        self.shards = [redis.Redis.from_url(u, decode_responses=True) for u in plane_urls]
+        for r in (self.broker, *self.shards):
+            r.flushall()
+        self.client = Client(url, settings=Settings(redis_url=url, streams_redis_url=self.streams_redis_url))
+        self._workers: list = []
+
+    def shard(self, job_id: str):
+        """The server that holds the job's keys."""
+        from weightq.tasks.contract import shard_of
+
+        return self.shards[shard_of(job_id, len(self.shards))]
+
+    def worker(self, name: str, **settings):
+        from weightq.cli.processes import WorkerProcess
+
+        settings = PLANE_WORKER | settings
+        w = WorkerProcess(self.url, name, self.home, streams_redis_url=self.streams_redis_url, **settings)
+        self._workers.append(w)
+        return w
+
+    def close(self) -> None:
+        for w in self._workers:
+            w.kill()

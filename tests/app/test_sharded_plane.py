@@ -5,24 +5,19 @@ as on one Redis, and a job whose message the broker lost is sent again from its 
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
 import pytest
-import redis
-from weightq.cli.processes import GatewayProcess, WorkerProcess
-from weightq.client import Client
-from weightq.settings import Settings
+from weightq.cli.processes import GatewayProcess
 from weightq.tasks.contract import HEARTBEATS, LEASES, QUEUED, STREAM_TICK, job_key, shard_of, stream_key
 
+from tests.app.test_split_plane import kill_one_and_check_resume
 from tests.app.worker.test_crash_resume import check_one_generation
-from tests.servers import embedded_redis, queued_messages, take_queued
+from tests.servers import PlaneStack, embedded_redis, queued_messages, take_queued
 from tests.sse_client import openai_text, read_sse
 
 pytestmark = pytest.mark.service  # real Redis servers and worker processes
-
-WORKER = dict(max_batch_weight=16384, concurrency=32, engine_process="off", visibility_timeout_s=600)
 
 
 @pytest.fixture(scope="module")
@@ -48,32 +43,9 @@ def ids_on_both(prefix: str, n: int) -> list[str]:
 
 @pytest.fixture
 def plane(redis_url, shard_urls, tmp_path):
-    broker = redis.Redis.from_url(redis_url, decode_responses=True)
-    shards = [redis.Redis.from_url(u, decode_responses=True) for u in shard_urls]
-    for r in (broker, *shards):
-        r.flushall()
-    workers: list[WorkerProcess] = []
-    streams = ",".join(shard_urls)
-
-    class Plane:
-        url = redis_url
-        streams_redis_url = streams
-        client = Client(redis_url, settings=Settings(redis_url=redis_url, streams_redis_url=streams))
-
-        @staticmethod
-        def shard(job_id: str) -> redis.Redis:
-            return shards[shard_of(job_id, 2)]
-
-        @staticmethod
-        def worker(name: str, **settings) -> WorkerProcess:
-            w = WorkerProcess(redis_url, name, tmp_path, streams_redis_url=streams, **(WORKER | settings))
-            workers.append(w)
-            return w
-
-    Plane.broker, Plane.shards = broker, shards
-    yield Plane
-    for w in workers:
-        w.kill()
+    stack = PlaneStack(redis_url, shard_urls, tmp_path)
+    yield stack
+    stack.close()
 
 
 def test_each_jobs_keys_live_on_its_shard_and_everything_works_as_on_one(plane, tmp_path):
@@ -146,43 +118,13 @@ def test_each_jobs_keys_live_on_its_shard_and_everything_works_as_on_one(plane, 
 
 
 def test_a_killed_workers_jobs_resume_elsewhere_on_both_shards(plane):
-    workers = {w.name: w for w in (plane.worker("sa@test"), plane.worker("sb@test"))}
-    for w in workers.values():
-        w.wait_ready()
-    ids = ids_on_both("k", 6)
-    jobs = [
-        plane.client.submit(f"kill {i}", max_new_tokens=1200, temperature=1.0, ignore_eos=True, request_id=j)
-        for i, j in enumerate(ids)
-    ]
-    texts = {job.id: [] for job in jobs}
-    readers = [threading.Thread(target=lambda j=job: texts[j.id].extend(j.stream(timeout=240))) for job in jobs]
-    for t in readers:
-        t.start()
-    for job in jobs:
-        deadline = time.monotonic() + 120
-        while plane.shard(job.id).xlen(stream_key(job.id)) < 3:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-    owners = {job.id: plane.shard(job.id).hget(job_key(job.id), "owner").split("/")[0] for job in jobs}
-    # the victim: the worker running jobs on both shards (or else the one running most)
-    victim = max(workers, key=lambda w: (len({shard_of(j, 2) for j, o in owners.items() if o == w}), w))
-    (survivor,) = set(workers) - {victim}
-    running = {j for j, o in owners.items() if o == victim}
-    workers[victim].kill()
-    t0 = time.monotonic()
-    results = {job.id: job.result(timeout=240) for job in jobs}
-    for t in readers:
-        t.join(60)
-    assert time.monotonic() - t0 < 200  # the reaper, not the 600 s visibility timeout
-    assert running
-    for job_id, result in results.items():
-        got = check_one_generation(plane.shard(job_id), job_id, result)
-        assert "".join(texts[job_id]) == result["text"]
-        if job_id in running:
-            assert result["worker"] == survivor
-            resumed_from = [int(f["from"]) for f in got if f["type"] == "attempt"]
-            assert resumed_from[0] == 0 and resumed_from[-1] > 0, (job_id, resumed_from)
-    assert "is dead" in workers[survivor].log()
+    """The worker running jobs on both shards (else the one running most) is killed: its jobs are
+    charged on their own shards and resume on the survivor; its records leave every shard."""
+
+    def on_both_shards(owners: dict[str, str]) -> str:
+        return max(set(owners.values()), key=lambda w: (len({shard_of(j, 2) for j, o in owners.items() if o == w}), w))
+
+    victim = kill_one_and_check_resume(plane, ids_on_both("k", 6), on_both_shards)
     assert not plane.broker.hlen("unacked")
     for shard in plane.shards:  # the dead instance's records are gone from every shard
         assert all(not k.startswith(victim + "/") for k in shard.hkeys(LEASES))

@@ -7,22 +7,18 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
-import redis
-from weightq.cli.processes import GatewayProcess, WorkerProcess
-from weightq.client import Client
-from weightq.settings import Settings
+from weightq.cli.processes import GatewayProcess
 from weightq.tasks.contract import LEASES, QUEUED, STREAM_TICK, job_key, stream_key
 
 from tests.app.worker.test_crash_resume import check_one_generation
-from tests.servers import embedded_redis, queued_messages, take_queued
+from tests.servers import PlaneStack, embedded_redis, queued_messages, take_queued
 from tests.sse_client import openai_text, read_sse
 
 pytestmark = pytest.mark.service  # real Redis servers and worker processes
-
-WORKER = dict(max_batch_weight=16384, concurrency=32, engine_process="off", visibility_timeout_s=600)
 
 
 @pytest.fixture(scope="module")
@@ -33,30 +29,13 @@ def data_url(tmp_path_factory):
 @pytest.fixture
 def plane(redis_url, data_url, tmp_path):
     """The broker's Redis, the streams' Redis, a client of both and a factory of workers."""
-    broker = redis.Redis.from_url(redis_url, decode_responses=True)
-    data = redis.Redis.from_url(data_url, decode_responses=True)
-    broker.flushall()
-    data.flushall()
-    workers: list[WorkerProcess] = []
-
-    class Plane:
-        url = redis_url
-        client = Client(redis_url, settings=Settings(redis_url=redis_url, streams_redis_url=data_url))
-
-        @staticmethod
-        def worker(name: str, **settings) -> WorkerProcess:
-            w = WorkerProcess(redis_url, name, tmp_path, streams_redis_url=data_url, **(WORKER | settings))
-            workers.append(w)
-            return w
-
-    Plane.broker, Plane.data = broker, data
-    yield Plane
-    for w in workers:
-        w.kill()
+    stack = PlaneStack(redis_url, [data_url], tmp_path)
+    yield stack
+    stack.close()
 
 
 def test_streams_and_job_state_live_on_their_own_redis(plane, data_url, tmp_path):
-    broker, data = plane.broker, plane.data
+    broker, data = plane.broker, plane.shards[0]
     early = [plane.client.submit(f"split {i}", max_new_tokens=24, request_id=f"e{i}") for i in range(3)]
     # Queued before any worker: the messages wait on the broker, the jobs are recorded with the streams.
     assert len(queued_messages(broker)) == 3
@@ -94,27 +73,35 @@ def test_a_killed_workers_jobs_resume_elsewhere_with_the_plane_split(plane):
     """The reaper finds the dead worker by its lease and connections on the streams' Redis, charges its
     jobs there and puts its messages back on the broker's: they resume within seconds (the visibility
     timeout is ten minutes), as one generation each."""
-    data = plane.data
+    kill_one_and_check_resume(plane, [f"k{i}" for i in range(4)], lambda owners: owners["k0"])
+    assert not plane.broker.hlen("unacked"), plane.broker.hkeys("unacked")
+
+
+def kill_one_and_check_resume(plane: PlaneStack, ids: list[str], choose: Callable[[dict[str, str]], str]) -> str:
+    """Two workers run sampled jobs `ids`; once each has streamed, the worker `choose` names (given
+    each job's owner) is SIGKILLed. Every job ends as one generation, its stream read whole equal to
+    its result, and those the dead worker ran resume on the survivor after what they had streamed,
+    within seconds: the reaper, not the ten-minute visibility timeout. Returns the dead worker's name."""
     workers = {w.name: w for w in (plane.worker("ka@test"), plane.worker("kb@test"))}
     for w in workers.values():
         w.wait_ready()
     jobs = [
-        plane.client.submit(f"kill {i}", max_new_tokens=1200, temperature=1.0, ignore_eos=True, request_id=f"k{i}")
-        for i in range(4)
+        plane.client.submit(f"kill {i}", max_new_tokens=1200, temperature=1.0, ignore_eos=True, request_id=j)
+        for i, j in enumerate(ids)
     ]
-    texts = {job.id: [] for job in jobs}
+    texts: dict[str, list[str]] = {job.id: [] for job in jobs}
     readers = [threading.Thread(target=lambda j=job: texts[j.id].extend(j.stream(timeout=240))) for job in jobs]
     for t in readers:
         t.start()
     for job in jobs:  # each has streamed
         deadline = time.monotonic() + 120
-        while data.xlen(stream_key(job.id)) < 3:
-            assert time.monotonic() < deadline, data.hgetall(job_key(job.id))
+        while plane.shard(job.id).xlen(stream_key(job.id)) < 3:
+            assert time.monotonic() < deadline, plane.shard(job.id).hgetall(job_key(job.id))
             time.sleep(0.05)
-    victim = data.hget(job_key("k0"), "owner").split("/")[0]
+    owners = {job.id: plane.shard(job.id).hget(job_key(job.id), "owner").split("/")[0] for job in jobs}
+    victim = choose(owners)
     (survivor,) = set(workers) - {victim}
-    owned = {job.id for job in jobs if data.hget(job_key(job.id), "owner").startswith(victim + "/")}
-    running = {j for j in owned if data.hget(job_key(j), "state") == "running"}
+    running = {j for j, o in owners.items() if o == victim and plane.shard(j).hget(job_key(j), "state") == "running"}
     workers[victim].kill()
     t0 = time.monotonic()
     results = {job.id: job.result(timeout=240) for job in jobs}
@@ -123,14 +110,14 @@ def test_a_killed_workers_jobs_resume_elsewhere_with_the_plane_split(plane):
     assert time.monotonic() - t0 < 200  # the reaper, not the 600 s visibility timeout
     assert running, "no job was running on the killed worker"
     for job_id, result in results.items():
-        got = check_one_generation(data, job_id, result)
+        got = check_one_generation(plane.shard(job_id), job_id, result)
         assert "".join(texts[job_id]) == result["text"]
         if job_id in running:
             assert result["worker"] == survivor
             resumed_from = [int(f["from"]) for f in got if f["type"] == "attempt"]
             assert resumed_from[0] == 0 and resumed_from[-1] > 0, (job_id, resumed_from)
     assert "is dead" in workers[survivor].log()
-    assert not plane.broker.hlen("unacked"), plane.broker.hkeys("unacked")
+    return victim
 
 
 def test_a_job_whose_message_the_broker_lost_is_sent_again_from_the_streams_redis(plane):
@@ -142,4 +129,4 @@ def test_a_job_whose_message_the_broker_lost_is_sent_again_from_the_streams_redi
     plane.worker("lost@test", lost_job_grace_s=1, recover_interval_s=1).wait_ready()
     result = job.result(timeout=60)
     assert result["usage"]["completion_tokens"] == 5 and result["attempt"] == 1
-    assert plane.data.zscore(QUEUED, "lost-split") is None
+    assert plane.shards[0].zscore(QUEUED, "lost-split") is None
