@@ -15,6 +15,11 @@ class ConfigError(ValueError):
     """A configuration that cannot serve even one maximal request."""
 
 
+# The one default of the share kept for higher classes: the engine's, the simulator's and (kept equal by
+# tests/app/test_settings.py) PRIORITY_HEADROOM's.
+PRIORITY_HEADROOM = 0.1
+
+
 @dataclass(frozen=True, slots=True)
 class BatcherConfig:
     """How the batcher spends the KV budget.
@@ -75,7 +80,7 @@ class BatcherConfig:
     predictive_window: int = 4096
     max_preemptions: int = 2
     prefix_caching: bool = False
-    priority_headroom: float = 0.0
+    priority_headroom: float = PRIORITY_HEADROOM
     headroom_priority: int = DEFAULT_PRIORITY
     kinds: tuple[tuple[int, int], ...] = ((1, 0),)
     windows: tuple[int, ...] = ()

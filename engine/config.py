@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from weightq.batcher.config import PRIORITY_HEADROOM
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -61,7 +63,7 @@ class EngineConfig:
     seed: int = 0
     allow_download: bool = True  # False: a hub id must already be in the local cache
     sim_step_cost: str = ""  # runner="simulated": "fixed_s,per_token_s,per_kv_token_s" (default: StepCost())
-    priority_headroom: float = 0.1  # share of the budget classes below the default may not take
+    priority_headroom: float = PRIORITY_HEADROOM  # share of the budget classes below the default may not take
     prefix_cache: bool = True  # paged runner: reuse the KV of repeated prompt prefixes (PREFIX_CACHE=0: off)
     # sliding-window layers keep a ring of their window plus one block (False: every block of the context,
     # each window a mask over it; the memory of a model of full layers, for comparison: bench.families)

@@ -7,6 +7,7 @@ import json
 import sys
 
 from weightq.batcher import BatcherConfig, ConfigError
+from weightq.batcher.config import PRIORITY_HEADROOM
 from weightq.batcher.sim import (
     POLICIES,
     StepCost,
@@ -59,8 +60,8 @@ def _sim_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--priority-headroom",
         type=float,
-        default=0.1,
-        help="share of the budget classes below 5 may not take (default 0.1, as the engine's)",
+        default=PRIORITY_HEADROOM,
+        help="share of the budget classes below 5 may not take (default: the engine's)",
     )
     p.add_argument(
         "--preset",

@@ -52,3 +52,15 @@ def test_celery_config_is_json_only_late_ack_and_short_visibility():
     assert conf["task_acks_late"] and conf["worker_prefetch_multiplier"] == 1 and conf["worker_pool"] == "threads"
     assert conf["broker_transport_options"]["visibility_timeout"] == 17
     assert conf["broker_url"] == conf["result_backend"] == "redis://h:1/0"
+
+
+def test_one_default_per_option_from_the_environment_to_the_batcher():
+    """An option the settings pass down keeps one default in every layer (PRIORITY_HEADROOM once
+    differed: 0.1 in the settings and the engine, 0.0 in the batcher and so the simulator)."""
+    from weightq.batcher import BatcherConfig
+    from weightq.batcher.config import PRIORITY_HEADROOM
+    from weightq.engine import EngineConfig
+
+    assert Settings().priority_headroom == PRIORITY_HEADROOM
+    assert EngineConfig().priority_headroom == PRIORITY_HEADROOM == engine_config(Settings()).priority_headroom
+    assert BatcherConfig(max_batch_weight=1024, max_total_tokens=512).priority_headroom == PRIORITY_HEADROOM
