@@ -12,7 +12,6 @@ COPY app app
 COPY tasks tasks
 COPY engine engine
 COPY batcher batcher
-COPY bench bench
 COPY examples examples
 RUN pip install --no-cache-dir ".[flower]"
 ENV WEIGHTQ_HOME=/data/weightq HF_HOME=/data/hf
