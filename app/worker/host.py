@@ -101,6 +101,7 @@ class WorkerHost:
                     return
 
         self.affinity.register()
+        self.lease.renew(set())  # listed on every shard before its first job begins (BEGIN reads it there)
         lora = s.enable_lora or bool(s.lora_modules)  # adapters follow the pool's (LORA_ADAPTERS)
         for name, loop in (
             ("lease", renew),  # its own lease (LEASE_TTL_S / 4)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import uuid
 
+import redis
 from weightq.settings import Settings
 from weightq.tasks.contract import LEASES, held_key, lease_key
 from weightq.token_plane import TokenPlane
@@ -42,7 +43,8 @@ class WorkerLease:
         renewal: BEGIN adds a started job's tag itself, which a renewal must not remove)."""
         key = held_key(self.instance)
         added, gone = held - self._held, self._held - held
-        for shard in self.plane.shards:
+        failed: redis.RedisError | None = None
+        for shard in self.plane.shards:  # a shard that is down does not keep the others from the renewal
             pipe = shard.pipeline(transaction=True)
             if shard is self.plane.home:
                 pipe.set(lease_key(self.instance), self.hostname, px=self.ttl_ms)
@@ -52,5 +54,10 @@ class WorkerLease:
             if gone:
                 pipe.srem(key, *gone)
             pipe.expire(key, 86_400)
-            pipe.execute()
+            try:
+                pipe.execute()
+            except redis.RedisError as e:
+                failed = e
+        if failed is not None:
+            raise failed  # the same changes go to every shard again at the next renewal
         self._held = held

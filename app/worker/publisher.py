@@ -43,10 +43,11 @@ REFUSED_TRIES = 3
 
 
 class StreamPublisher:
-    """The engine's event sink: buffers a step's events and writes them in one pipeline.
+    """The engine's event sink: buffers a step's events and writes them in one script call per shard.
 
     `__call__` runs on the engine thread and only appends; `flush()` (end of each step) hands the
-    batch to a writer thread, so Redis round trips overlap the next forward pass.
+    batch to the writer threads, one per token-plane shard, so Redis round trips overlap the next
+    forward pass, and a shard that is down or refusing holds up or fails only its own jobs' streams.
     """
 
     def __init__(self, plane: TokenPlane, *, maxlen: int, ttl_s: int, job_ttl_s: int = 86_400) -> None:
@@ -55,18 +56,21 @@ class StreamPublisher:
         self.ttl_s = ttl_s
         self.job_ttl_s = job_ttl_s
         self._pending: list[tuple[Event | list[tuple], float]] = []  # events, or a step's token tuples
-        # a step's events with the fences of that moment (see flush)
-        self._batches: queue.SimpleQueue[tuple[list[tuple[Event | list[tuple], float]], dict[str, int]] | None] = (
-            queue.SimpleQueue()
-        )
-        self._writer = threading.Thread(target=self._write_loop, name="weightq-streams", daemon=True)
-        self._writer.start()
+        # per shard, a step's events with the fences of that moment (see flush)
+        self._batches: list[queue.SimpleQueue[tuple[list, dict[str, int]] | None]] = [
+            queue.SimpleQueue() for _ in plane.shards
+        ]
+        self._writers = [
+            threading.Thread(target=self._write_loop, args=(n,), name=f"weightq-streams-{n}", daemon=True)
+            for n in range(len(plane.shards))
+        ]
+        for writer in self._writers:
+            writer.start()
         self.runs = RunBook()  # each job's run here: its fence, result fields, end (shared with JobRunner)
         self.requeueing = False  # set at shutdown: jobs the engine stops go back to the queue, so no end entry
         self.metrics: EngineMetrics | None = None
         self.writer_key = writer_key(uuid.uuid4().hex)  # the last batch applied (see _apply)
         self.on_superseded: Callable[[str], None] | None = None  # told each such job once (to stop it)
-        self._seq = 0
         self._batch_script = plane.home.register_script(WRITE_BATCH)  # run on each shard (Script takes a client)
         self._abort_script = plane.home.register_script(ABORT)
         # a job whose stream could not be written: its entries are dropped from then on, the job ends
@@ -92,28 +96,51 @@ class StreamPublisher:
         once its task has given up and dropped the job's fence."""
         if self._pending:
             batch, self._pending = self._pending, []
-            self._batches.put((batch, self.runs.fences()))
+            fences = self.runs.fences()
+            if len(self._batches) == 1:
+                self._batches[0].put((batch, fences))
+                return
+            for shard, part in self._by_shard(batch).items():
+                self._batches[shard].put((part, fences))
+
+    def _by_shard(self, batch: list[tuple[Event | list[tuple], float]]) -> dict[int, list]:
+        """A step's events split by the shard of their job (a step's token tuples too)."""
+        parts: dict[int, list] = {}
+        index = self.plane.index
+        for ev, stamp in batch:
+            if isinstance(ev, list):
+                tuples: dict[int, list[tuple]] = {}
+                for t in ev:
+                    tuples.setdefault(index(t[0]), []).append(t)
+                for shard, mine in tuples.items():
+                    parts.setdefault(shard, []).append((mine, stamp))
+            else:
+                parts.setdefault(index(ev.request_id), []).append((ev, stamp))
+        return parts
 
     def close(self) -> None:
         self.flush()
-        self._batches.put(None)
-        self._writer.join(10)
+        for batches in self._batches:
+            batches.put(None)
+        for writer in self._writers:
+            writer.join(10)
 
-    def _write_loop(self) -> None:
+    def _write_loop(self, shard: int) -> None:
+        durable, seq = self.plane.durables[shard], 0
         while True:
-            item = self._batches.get()
+            item = self._batches[shard].get()
             if item is None:
                 return
             batch, fences = item
             entries = self._entries(batch)
-            self._seq += 1
+            seq += 1
             refused = 0
             while entries:
                 entries = self.runs.drop_abandoned(entries)
                 if not entries:
                     break
                 try:
-                    self._apply(self._seq, entries, fences)
+                    self._apply_on(durable, seq, entries, fences)
                     break
                 except redis.RedisError as e:
                     if is_transient(e):  # Redis restarting or failing over: one line, not a traceback
@@ -157,10 +184,9 @@ class StreamPublisher:
         return entries_of(batch, self.runs.refused_jobs(), self.runs.annotations, self.requeueing)
 
     def _apply(self, seq: int, entries: list[tuple], fences: dict[str, int] | None = None) -> None:
-        """One script call per batch and shard, applied at most once: a retry after a lost reply (Redis
-        crashed after applying it), or after another shard refused its part, is a no-op on a shard
-        that has it instead of a second copy of every entry. `fences`: those the batch was flushed
-        with (None: the live table)."""
+        """Entries of any shard, each shard's part in one script call (the writer threads call
+        `_apply_on` with their own shard's). `fences`: those the batch was flushed with (None: the
+        live table)."""
         fenced = self.runs.fences() if fences is None else fences
         if len(self.plane) == 1:
             self._apply_on(self.plane.durables[0], seq, entries, fenced)
@@ -172,6 +198,8 @@ class StreamPublisher:
             self._apply_on(self.plane.durables[shard], seq, part, fenced)
 
     def _apply_on(self, durable: Durable, seq: int, entries: list[tuple], fenced: dict[str, int]) -> None:
+        """One script call, applied at most once per (writer, shard, seq): a retry after a lost reply
+        (Redis crashed after applying it) is a no-op instead of a second copy of every entry."""
         keys = [self.writer_key, STREAM_TICK]
         index: dict[str, int] = {}
         fences: list = []

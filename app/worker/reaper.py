@@ -111,7 +111,7 @@ class Reaper:
             keys = [RESUMING, *(job_key(j) for j in ids)]
             charged += self._charge(keys=keys, args=[instance, *flags], client=shards[shard])
         resumed = restore_unacked(self.broker, tags)
-        for shard in shards:
+        for shard in [*shards[1:], shards[0]]:  # the home last: until then the next sweep still sees the instance
             shard.pipeline().delete(engine_jobs_key(instance), held_key(instance)).hdel(LEASES, instance).execute()
         log.warning(
             "worker %s is dead: %d of its jobs go back to the queue, %d of them charged with the crash",

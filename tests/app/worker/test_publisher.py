@@ -151,3 +151,51 @@ def test_a_batch_retried_through_an_outage_keeps_its_fences_and_drops_what_its_t
     finally:
         pub.close()
         server.stop()
+
+
+def test_each_shard_has_a_writer_of_its_own(service, tmp_path):
+    """Two token-plane shards: a shard that refuses writes for good (full under maxmemory) ends its own
+    jobs alone (the other shard's stream on), and a shard that is down holds up only its own jobs'
+    streams."""
+    import time
+
+    from weightq.cli.redis_server import EmbeddedRedis
+    from weightq.tasks.contract import shard_of
+
+    server = EmbeddedRedis(tmp_path)
+    a, b = redis.Redis.from_url(service.url), redis.Redis.from_url(server.start(), socket_timeout=2)
+    pub = StreamPublisher(TokenPlane([a, b], Settings()), maxlen=1000, ttl_s=600)
+    failed: list[str] = []
+    pub.on_write_failed = failed.append
+    on_a, on_b, later_b = (next(f"{p}{i}" for i in range(64) if shard_of(f"{p}{i}", 2) == s)
+                           for p, s in (("a", 0), ("b", 1), ("c", 1)))  # fmt: skip
+    try:
+        for job in (on_a, on_b, later_b):
+            (a, b)[shard_of(job, 2)].hset(job_key(job), mapping={"attempt": 1, "state": "running"})
+            pub.runs.begin(job, 1, {})
+        b.hset(job_key(on_b), "request", "{}")  # what ABORT frees to get its error entry through
+        b.config_set("maxmemory", 1)  # shard b full: every stream write there is refused (OOM)
+        pub(TokenEvent(on_a, 0, 5, "x"), 1.0)
+        pub(TokenEvent(on_b, 0, 5, "y"), 1.0)
+        pub.flush()
+        deadline = time.monotonic() + 30
+        while not failed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert failed == [on_b] and "refused" in pub.runs.ended(on_b).refused
+        assert [f["type"] for f in _fields(a, on_a)] == ["token"] and pub.runs.ended(on_a).refused is None
+        assert [f["type"] for f in _fields(b, on_b)] == ["error"]  # ABORT gets through under maxmemory
+        b.config_set("maxmemory", 0)
+        server.stop()  # shard b down: its writer retries, shard a's goes on
+        pub(TokenEvent(later_b, 0, 5, "w"), 2.0)
+        pub(TokenEvent(on_a, 1, 6, "z"), 2.0)
+        pub.flush()
+        while len(a.xrange(stream_key(on_a))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [f["i"] for f in _fields(a, on_a)] == ["0", "1"]
+        server.start()  # back: what waited for it is written
+        while not b.exists(stream_key(later_b)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [f["text"] for f in _fields(b, later_b)] == ["w"]
+    finally:
+        pub.close()
+        server.stop()
