@@ -9,25 +9,19 @@ from __future__ import annotations
 from enum import IntEnum
 
 
-class Requeued(IntEnum):
-    """REQUEUE's answer."""
-
+class Requeued(IntEnum):  # REQUEUE's answer
     QUEUED = 0  # back in the queue
     ENDED = 1  # its client had cancelled it: ended here, cancelled
     SUPERSEDED = 2  # a later run has begun (this worker was taken for dead): nothing done
 
 
-class Begun(IntEnum):
-    """BEGIN's first value when no run starts (a run that starts gets its attempt, >= 1)."""
-
+class Begun(IntEnum):  # BEGIN's first value when no run starts (a run that starts gets its attempt, >= 1)
     CANCELLED = -1
     DONE = -2  # finished before: the stored result comes with it
     DEAD_LETTERED = -3  # charged with too many crashes: the dead letter's message comes with it
 
 
-class Aborted(IntEnum):
-    """ABORT's answer."""
-
+class Aborted(IntEnum):  # ABORT's answer
     UNCHANGED = 0  # already ended
     ENDED = 1
     SUPERSEDED = 2  # a later run owns the job
