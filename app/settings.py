@@ -95,6 +95,7 @@ class Settings(BaseSettings):
     lease_renew_s: float = 5.0  # a live worker re-stamps its in-flight messages this often (restamp_loop)
     restore_interval_s: int = 5  # how often every worker sweeps for expired leases
     stream_maxlen: int = 100_000  # entries kept per token stream
+    stream_flush_ms: float = Field(50.0, ge=0)  # a stream is written at most this often (its first token at once)
     stream_ttl_s: int = 3600  # a stream expires this long after its end (or 1 day after its start)
     result_ttl_s: int = 86_400
     shutdown_grace_s: float = 30.0  # warm shutdown: finish running generations this long, then requeue

@@ -40,7 +40,7 @@ from weightq.cli.processes import GatewayProcess, WorkerProcess
 from weightq.cli.redis_server import EmbeddedRedis
 from weightq.client import Client, JobFailed
 from weightq.settings import Settings
-from weightq.tasks.contract import DEAD, LEASES, EntryType, engine_jobs_key, job_key, stream_key
+from weightq.tasks.contract import DEAD, LEASES, EntryType, engine_jobs_key, job_key, stream_key, token_parts
 
 # the tests' streaming client: the bench reads streams as they do (run from the repository root)
 from tests.sse_client import openai_text, read_sse
@@ -101,10 +101,11 @@ def check_stream(stack: Stack, job_id: str, streamed_text: str | None) -> dict:
     """The job's stream and result, as the issue's figures need them."""
     result = stack.client.job(job_id).result(timeout=600)
     entries = stack.redis.xrange(stream_key(job_id))
-    tokens = [(eid, int(f["i"])) for eid, f in entries if f["type"] == EntryType.TOKEN]
+    parts = [(eid, p) for eid, f in entries if f["type"] == EntryType.TOKEN for p in token_parts(f)]
+    tokens = [(eid, int(p["i"])) for eid, p in parts]
     indexes = [i for _, i in tokens]
     attempts = [int(f.get("from", 0)) for _, f in entries if f["type"] == EntryType.ATTEMPT]
-    text = "".join(f["text"] for _, f in entries if f["type"] == EntryType.TOKEN)
+    text = "".join(p["text"] for _, p in parts)
     return {
         "result": result,
         "tokens": tokens,

@@ -144,6 +144,7 @@ def drive(base: str, model: str, work, redis_client=None, processes: dict[str, i
     ttft = [r["arrivals"][0] - r["sent"] for r in ok]
     gaps = [b - a for r in ok for a, b in zip(r["arrivals"], r["arrivals"][1:], strict=False)]
     tokens = sum(r["tokens"] for r in ok)
+    chunks = sum(len(r["arrivals"]) for r in ok)  # the ITL figures are gaps between chunks
     cpu = cputime.per_1000_tokens(cpu0, cpu1, tokens) if processes else {}
     return (stages(redis_client, ok) if redis_client is not None else {}) | {
         "tok_s": tokens / (end - start),
@@ -152,6 +153,7 @@ def drive(base: str, model: str, work, redis_client=None, processes: dict[str, i
         "ttft_p99_s": percentile(ttft, 99),
         "itl_p50_ms": percentile(gaps, 50) * 1000 if gaps else None,
         "itl_p99_ms": percentile(gaps, 99) * 1000 if gaps else None,
+        "tokens_per_chunk": round(tokens / chunks, 2),
         "errors": len(errors),
         "first_error": errors[0] if errors else None,
         **({"cpu_ms_per_1000_tokens": cpu} if cpu else {}),

@@ -13,6 +13,11 @@ worker queues, LoRA, the recovery lock) live on the first, the home (app/token_p
       {"type": "token", "i": index, "text": delta, "id": token id, "ts": engine emit time (unix s)}
           and, when the request asks for logprobs, "lp": JSON [token text, logprob, top ids, top
           tokens, top logprobs] (the model's log_softmax, best first)
+      {"type": "token", "i": first index, "n": count, "text": the deltas joined, "id": "5,6,7",
+       "len": each delta's length in characters, "5,0,2", "ts": the first one's emit time}
+          several tokens of a job in one entry (a worker holds a stream's tokens up to
+          STREAM_FLUSH_MS after its last write: fewer entries per token for Redis and readers);
+          `token_parts` splits it into the one-token form; tokens with "lp" are never joined
       {"type": "end", "reason": ..., "result": JSON}     the last entry of a finished job
       {"type": "error", "message": ..., "field": ...}    the last entry of a failed job
   weightq:job:{id}     a hash: state (queued | running | done | cancelled), tenant (whose job it is),
@@ -262,9 +267,28 @@ def outcome(fields: Mapping[str, str]) -> dict | None:
     return None
 
 
+def token_parts(fields: Mapping[str, str]) -> list[Mapping[str, str]]:
+    """A token entry as one-token entries (a joined entry carries "n" of them; see the docstring
+    above), each with the entry's "ts"."""
+    if "n" not in fields:
+        return [fields]
+    first, text, ts = int(fields["i"]), fields.get("text", ""), fields.get("ts", "")
+    parts, at = [], 0
+    for k, (token_id, length) in enumerate(zip(fields["id"].split(","), fields["len"].split(","), strict=True)):
+        end = at + int(length)
+        parts.append({"type": EntryType.TOKEN, "i": str(first + k), "text": text[at:end], "id": token_id, "ts": ts})
+        at = end
+    return parts
+
+
+def token_count(fields: Mapping[str, str]) -> int:
+    """How many tokens a token entry carries."""
+    return int(fields.get("n", 1))
+
+
 class Replay:
-    """Drops a token whose index a reader already has. Runs resume rather than restart and fenced
-    writes never double an index, so nothing is dropped today; it keeps readers exact regardless."""
+    """Drops a token entry whose indices a reader already has. Runs resume rather than restart and
+    fenced writes never double an index, so nothing is dropped today; it keeps readers exact regardless."""
 
     __slots__ = ("delivered",)
 
@@ -277,7 +301,7 @@ class Replay:
         i = int(fields.get("i", 0))
         if i < self.delivered:
             return False
-        self.delivered = i + 1
+        self.delivered = i + token_count(fields)
         return True
 
 
@@ -291,8 +315,8 @@ class Emitted:
     logprobs: list[str] = field(default_factory=list)
 
     def add(self, fields: Mapping[str, str]) -> None:
-        """A token entry; one at an index already held replaces it and what follows (a run that
-        restarted from there, as runs of older versions did)."""
+        """A one-token entry (`token_parts`); one at an index already held replaces it and what
+        follows (a run that restarted from there, as runs of older versions did)."""
         i = int(fields["i"])
         if i > len(self.token_ids):
             raise ValueError(f"token {i} follows token {len(self.token_ids) - 1}: the stream was trimmed")
@@ -309,7 +333,8 @@ def emitted_tokens(entries: list[Mapping[str, str]]) -> Emitted:
     out = Emitted()
     for fields in entries:
         if fields.get("type") == EntryType.TOKEN:
-            out.add(fields)
+            for part in token_parts(fields):
+                out.add(part)
     return out
 
 

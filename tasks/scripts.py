@@ -1,8 +1,6 @@
 """The Lua scripts that change a job's state, each atomic in Redis: part of the job contract
-(tasks/contract.py re-exports them), kept apart because they are Lua, not Python. Every key they
-touch comes in KEYS from the caller, spelled by contract.py; what a script answers is one of the
-IntEnums below, never a bare number at the caller.
-"""
+(tasks/contract.py re-exports them), kept apart because they are Lua. Every key they touch comes in
+KEYS, spelled by contract.py; a script's answer is one of the IntEnums below, never a bare number."""
 
 from __future__ import annotations
 
@@ -57,16 +55,14 @@ redis.call('ZADD', KEYS[2], ARGV[1], ARGV[2])
 return 0
 """
 
-# Start (or resume) a run: refuse a cancelled or finished job; dead-letter one charged with
-# `max attempts` worker crashes (the last while it ran alone: see app/worker/reaper.py); else bump the
-# attempt (the fence: stream writes of any earlier run are refused from now on), record the run and
-# the worker instance, and mark the stream with where this run resumes (the index after its last
-# token). A job still 'running' from a run nobody charged, whose worker instance is still registered
-# (kombu's visibility timeout brought it back before any reaper saw that worker die), is charged here;
-# once a reaper has handled an instance (charged or released its jobs, then unregistered it), its
-# runs are never charged again. A retry of the same run's BEGIN (its reply was lost, or replicas did
-# not confirm it) is a no-op answering the same: retries never count. Warm-shutdown requeues and
-# redeliveries are runs, never crashes.
+# Start (or resume) a run: refuse a cancelled or finished job; dead-letter one charged with `max
+# attempts` worker crashes (the last while it ran alone: app/worker/reaper.py); else bump the attempt
+# (the fence: writes of earlier runs are refused from now on), record the run and instance, and mark
+# the stream with where this run resumes (after its last token). A job still 'running' from an
+# uncharged run of an instance still registered (kombu's visibility timeout brought it back before a
+# reaper saw it die) is charged here; a reaper-handled instance's runs never again. A retry of the
+# same run's BEGIN (lost reply, unconfirmed replicas) answers the same: retries, warm-shutdown
+# requeues and redeliveries never count as crashes.
 # KEYS: job hash, stream, queued set, high-water mark, dead list, the instance's held tags, RESUMING,
 # LEASES.
 # ARGV: stream maxlen, stream ttl, job ttl, max attempts, now, worker name, job id, cancelled result,
@@ -118,15 +114,16 @@ if crashes >= tonumber(ARGV[4]) then
 end
 local n = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
 local from, before = 0, '+'
-while true do  -- the last token entry (a few attempt entries may follow it)
+while true do  -- the last token entry (a few attempt entries may follow it); it holds 'n' tokens, else 1
   local rows = redis.call('XREVRANGE', KEYS[2], before, '-', 'COUNT', 16)
   for _, row in ipairs(rows) do
     local f = row[2]
-    for j = 1, #f, 2 do
-      if f[j] == 'type' and f[j + 1] == 'token' then
-        for k = 1, #f, 2 do if f[k] == 'i' then from = tonumber(f[k + 1]) + 1 end end
-      end
+    local t, i, n = nil, 0, 1
+    for k = 1, #f, 2 do
+      if f[k] == 'type' then t = f[k + 1] elseif f[k] == 'i' then i = tonumber(f[k + 1])
+      elseif f[k] == 'n' then n = tonumber(f[k + 1]) end
     end
+    if t == 'token' then from = i + n end
     if from > 0 then break end
     before = '(' .. row[1]
   end
@@ -202,8 +199,9 @@ return 1
 # KEYS: the writer's key, STREAM_TICK, then streams and job hashes. ARGV: maxlen, stream ttl, job ttl, seq,
 # the number of fences, per fence its stream index, job index (into KEYS) and the writer's attempt;
 # then per entry its stream index and either 0 and a plain token's four values (index, text,
-# token id, emit stamp: most entries, in half the arguments) or the number of field pairs, the job
-# index (0: none), the number of job-state pairs, the field pairs, the job-state pairs.
+# token id, emit stamp: most entries, in half the arguments), or -1 and joined tokens' six (first
+# index, count, texts joined, ids, lengths, stamp), or the number of field pairs, the job index
+# (0: none), the number of job-state pairs, the field pairs, the job-state pairs.
 # Returns the job hashes fenced off.
 WRITE_BATCH = """
 if tonumber(redis.call('GET', KEYS[1]) or '0') >= tonumber(ARGV[4]) then return {} end
@@ -229,6 +227,12 @@ while i <= #ARGV do
         'id', ARGV[i + 4], 'ts', ARGV[i + 5])
     end
     i = i + 6
+  elseif n == -1 then
+    if not skip then
+      redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', 'type', 'token', 'i', ARGV[i + 2], 'n', ARGV[i + 3],
+        'text', ARGV[i + 4], 'id', ARGV[i + 5], 'len', ARGV[i + 6], 'ts', ARGV[i + 7])
+    end
+    i = i + 8
   elseif skip then
     i = i + 4 + 2 * n + 2 * tonumber(ARGV[i + 3])
   else

@@ -44,6 +44,7 @@ from weightq.tasks.contract import (
     outcome,
     staged_queue,
     stream_key,
+    token_parts,
 )
 from weightq.tasks.limits import BATCH_PRIORITY, BULK_JOBS, broker_priority
 from weightq.tasks.request import JobRequest, RequestError, parse_request
@@ -111,8 +112,9 @@ class Job:
         self.id = job_id
 
     def events(self, timeout: float | None = None, last_id: str = "0-0") -> Iterator[StreamEvent]:
-        """Every stream entry from `last_id` on, until the end (or error) entry. Raises JobNotFound
-        for an id no job has, StreamExpired for a job that ended so long ago that its stream is gone."""
+        """Every stream entry from `last_id` on, until the end (or error) entry, one event per token
+        (the tokens of one entry share its id: resuming from it goes on after them all). Raises
+        JobNotFound for an id no job has, StreamExpired for a job whose stream has expired."""
         r = self.client.readers.of(self.id)
         key = stream_key(self.id)
         waited = 0.0
@@ -135,6 +137,10 @@ class Job:
             for entry_id, raw in resp[0][1]:
                 ev = _decode(entry_id, raw)
                 last_id = ev.entry_id
+                if "n" in ev.data:  # several tokens in one entry: one event each, with the entry's id
+                    for part in token_parts(ev.data):
+                        yield StreamEvent(ev.type, ev.entry_id, dict(part))
+                    continue
                 yield ev
                 if ev.type in END_TYPES:
                     return

@@ -7,7 +7,7 @@ import asyncio
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from weightq.tasks.contract import EntryType, outcome
+from weightq.tasks.contract import EntryType, outcome, token_parts
 from weightq.tasks.limits import Door
 
 from . import streams
@@ -29,8 +29,9 @@ def register(app: FastAPI, gw: Gateway) -> None:
             tops: list[list[dict]] = []
             async for _, f in gw.events(job_id):
                 if f.get("type") == EntryType.TOKEN:
-                    tokens.append(token(f))
-                    tops.append(top_tokens(f))
+                    for part in token_parts(f):
+                        tokens.append(token(part))
+                        tops.append(top_tokens(part))
                 elif (result := outcome(f)) is not None:  # raises JobFailed on an error entry
                     if result.get("finish_reason") == "eos" and tokens:
                         tokens[-1]["special"] = True
@@ -72,11 +73,14 @@ def register(app: FastAPI, gw: Gateway) -> None:
 
         def chunks(entry_id: str, f: dict) -> list[str]:
             kind = f.get("type")
-            if kind == EntryType.TOKEN:
-                event = {"token": token(f), "generated_text": None, "details": None}
-                if params.get("top_n_tokens"):
-                    event["top_tokens"] = top_tokens(f)
-                return [sse(event, entry_id)]
+            if kind == EntryType.TOKEN:  # TGI streams an event per token: one each, with the entry's id
+                events = []
+                for part in token_parts(f):
+                    event = {"token": token(part), "generated_text": None, "details": None}
+                    if params.get("top_n_tokens"):
+                        event["top_tokens"] = top_tokens(part)
+                    events.append(sse(event, entry_id))
+                return events
             if kind == EntryType.END:
                 # TGI sends the last token with the full text; our end entry carries no token, so a last
                 # event repeats nothing: it has an empty special token, the text and the details.

@@ -71,7 +71,11 @@ class EngineStep(bootsteps.StartStopStep):
         split = settings.streams_urls(broker_url)[0] != broker_url
         broker = connect(broker_url, settings, **named) if split else plane.home
         publisher = StreamPublisher(
-            plane, maxlen=settings.stream_maxlen, ttl_s=settings.stream_ttl_s, job_ttl_s=settings.result_ttl_s
+            plane,
+            maxlen=settings.stream_maxlen,
+            ttl_s=settings.stream_ttl_s,
+            job_ttl_s=settings.result_ttl_s,
+            flush_s=settings.stream_flush_ms / 1000,
         )
         publisher.metrics = EngineMetrics()
         config = engine_config(settings)

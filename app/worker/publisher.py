@@ -31,6 +31,7 @@ from weightq.tasks.contract import (
 )
 from weightq.token_plane import TokenPlane
 
+from .coalesce import Holding, take_all
 from .runs import RunBook
 
 log = logging.getLogger(__name__)
@@ -50,8 +51,11 @@ class StreamPublisher:
     forward pass, and a shard that is down or refusing holds up or fails only its own jobs' streams.
     """
 
-    def __init__(self, plane: TokenPlane, *, maxlen: int, ttl_s: int, job_ttl_s: int = 86_400) -> None:
+    def __init__(
+        self, plane: TokenPlane, *, maxlen: int, ttl_s: int, job_ttl_s: int = 86_400, flush_s: float = 0.0
+    ) -> None:
         self.plane = plane
+        self.flush_s = flush_s  # a stream is written at most this often, its first token at once (`Holding`)
         self.maxlen = maxlen
         self.ttl_s = ttl_s
         self.job_ttl_s = job_ttl_s
@@ -69,7 +73,7 @@ class StreamPublisher:
         self.runs = RunBook()  # each job's run here: its fence, result fields, end (shared with JobRunner)
         self.requeueing = False  # set at shutdown: jobs the engine stops go back to the queue, so no end entry
         self.metrics: EngineMetrics | None = None
-        self.writer_key = writer_key(uuid.uuid4().hex)  # the last batch applied (see _apply)
+        self.writer_key = writer_key(uuid.uuid4().hex)  # the last batch applied (see _apply_on)
         self.on_superseded: Callable[[str], None] | None = None  # told each such job once (to stop it)
         self._batch_script = plane.home.register_script(WRITE_BATCH)  # run on each shard (Script takes a client)
         self._abort_script = plane.home.register_script(ABORT)
@@ -126,36 +130,45 @@ class StreamPublisher:
             writer.join(10)
 
     def _write_loop(self, shard: int) -> None:
-        durable, seq = self.plane.durables[shard], 0
-        while True:
-            item = self._batches[shard].get()
-            if item is None:
+        """Each pass: the steps that arrived, held per stream (`Holding`), then what is due."""
+        durable, seq, holding, closing = self.plane.durables[shard], 0, Holding(self.flush_s), False
+        while not closing:
+            finished: list[str] = []
+            for item in take_all(self._batches[shard], holding.wait_s()):
+                if item is None:
+                    closing = True
+                    continue
+                batch, fences = item
+                holding.add(self._entries(batch), fences)
+                finished += [ev.request_id for ev, _ in batch if isinstance(ev, FinishEvent)]
+            for entries, fences in holding.due(everything=closing):
+                seq += 1
+                self._write(durable, seq, entries, fences)
+            for job_id in finished:  # an end is never held: it was written above
+                self.runs.written(job_id)
+
+    def _write(self, durable: Durable, seq: int, entries: list[tuple], fences: dict[str, int]) -> None:
+        refused = 0
+        while entries:
+            entries = self.runs.drop_abandoned(entries)
+            if gone := entries and self.runs.refused_jobs():  # refused while its tokens were held
+                entries = [e for e in entries if job_of_stream(e[0]) not in gone]
+            if not entries:
                 return
-            batch, fences = item
-            entries = self._entries(batch)
-            seq += 1
-            refused = 0
-            while entries:
-                entries = self.runs.drop_abandoned(entries)
-                if not entries:
-                    break
-                try:
-                    self._apply_on(durable, seq, entries, fences)
-                    break
-                except redis.RedisError as e:
-                    if is_transient(e):  # Redis restarting or failing over: one line, not a traceback
-                        log.warning("writing %d stream entries: %s; retrying", len(entries), e)
-                        time.sleep(0.1 if isinstance(e, NotReplicated) else 0.5)
-                        continue
-                    refused += 1
-                    if refused >= REFUSED_TRIES:
-                        self._abort(entries, e, fences)
-                        break
-                    log.warning("writing %d stream entries refused: %s; retrying", len(entries), e)
-                    time.sleep(0.5)
-            for ev, _ in batch:
-                if isinstance(ev, FinishEvent):
-                    self.runs.written(ev.request_id)
+            try:
+                self._apply_on(durable, seq, entries, fences)
+                return
+            except redis.RedisError as e:
+                if is_transient(e):  # Redis restarting or failing over: one line, not a traceback
+                    log.warning("writing %d stream entries: %s; retrying", len(entries), e)
+                    time.sleep(0.1 if isinstance(e, NotReplicated) else 0.5)
+                    continue
+                refused += 1
+                if refused >= REFUSED_TRIES:
+                    self._abort(entries, e, fences)
+                    return
+                log.warning("writing %d stream entries refused: %s; retrying", len(entries), e)
+                time.sleep(0.5)
 
     def _abort(self, entries: list[tuple], error: redis.RedisError, fences: dict[str, int] | None = None) -> None:
         """Redis keeps refusing this batch: its jobs end with an error entry (ABORT, which gets
@@ -183,20 +196,6 @@ class StreamPublisher:
     def _entries(self, batch: list[tuple[Event | list[tuple], float]]) -> list[tuple]:
         return entries_of(batch, self.runs.refused_jobs(), self.runs.annotations, self.requeueing)
 
-    def _apply(self, seq: int, entries: list[tuple], fences: dict[str, int] | None = None) -> None:
-        """Entries of any shard, each shard's part in one script call (the writer threads call
-        `_apply_on` with their own shard's). `fences`: those the batch was flushed with (None: the
-        live table)."""
-        fenced = self.runs.fences() if fences is None else fences
-        if len(self.plane) == 1:
-            self._apply_on(self.plane.durables[0], seq, entries, fenced)
-            return
-        by_shard: dict[int, list[tuple]] = {}
-        for entry in entries:
-            by_shard.setdefault(self.plane.index(job_of_stream(entry[0])), []).append(entry)
-        for shard, part in by_shard.items():
-            self._apply_on(self.plane.durables[shard], seq, part, fenced)
-
     def _apply_on(self, durable: Durable, seq: int, entries: list[tuple], fenced: dict[str, int]) -> None:
         """One script call, applied at most once per (writer, shard, seq): a retry after a lost reply
         (Redis crashed after applying it) is a no-op instead of a second copy of every entry."""
@@ -215,10 +214,10 @@ class StreamPublisher:
 
         args: list = []
         for entry in entries:
-            if len(entry) == 2:  # a plain token: WRITE_BATCH's short form, its values only
+            if len(entry) == 2:  # plain tokens: WRITE_BATCH's short forms, their values only
                 key, values = entry
                 args.append(slot(key))
-                args.append(0)
+                args.append(0 if len(values) == 4 else -1)  # one token, or several joined (`Holding`)
                 args += values
                 continue
             key, fields, state = entry

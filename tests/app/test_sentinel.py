@@ -16,7 +16,7 @@ from weightq.cli.processes import GatewayProcess, WorkerProcess
 from weightq.cli.redis_server import SentinelGroup
 from weightq.client import Client
 from weightq.settings import Settings
-from weightq.tasks.contract import EntryType, job_key, stream_key
+from weightq.tasks.contract import EntryType, job_key, stream_key, token_parts
 
 pytestmark = pytest.mark.service  # real Redis servers and worker processes
 
@@ -71,8 +71,9 @@ def check_once_and_whole(group: SentinelGroup, jobs, results, worker) -> None:
         assert len(ends) == 1, (job.id, ends, worker.log()[-3000:])
         tokens: dict[int, int] = {}
         for f in entries:
-            if f["type"] == EntryType.TOKEN:  # a restarted attempt repeats indices, never changes them
-                assert tokens.setdefault(int(f["i"]), int(f["id"])) == int(f["id"]), job.id
+            # a restarted attempt repeats indices, never changes them
+            for p in token_parts(f) if f["type"] == EntryType.TOKEN else ():
+                assert tokens.setdefault(int(p["i"]), int(p["id"])) == int(p["id"]), job.id
         assert [tokens[i] for i in range(len(tokens))] == res["token_ids"], (job.id, sorted(tokens)[:5])
         assert r.hget(job_key(job.id), "state") == "done"
 

@@ -16,7 +16,7 @@ import redis
 from weightq.cli.processes import GatewayProcess
 from weightq.client import JobFailed
 from weightq.engine.sampling.grammar import available
-from weightq.tasks.contract import LEASES, emitted_tokens, engine_jobs_key, held_key, job_key, stream_key
+from weightq.tasks.contract import LEASES, emitted_tokens, engine_jobs_key, held_key, job_key, stream_key, token_parts
 from weightq.transport import restore_unacked
 
 from tests.servers import queued_messages
@@ -35,7 +35,7 @@ def entries(r: redis.Redis, job_id: str) -> list[dict]:
 def check_one_generation(r: redis.Redis, job_id: str, result: dict) -> list[dict]:
     """Each index once, in order; the tokens' texts, ids and log-probabilities are the result's."""
     got = entries(r, job_id)
-    tokens = [f for f in got if f["type"] == "token"]
+    tokens = [p for f in got if f["type"] == "token" for p in token_parts(f)]
     assert [int(f["i"]) for f in tokens] == list(range(len(result["token_ids"]))), job_id
     emitted = emitted_tokens(got)
     assert emitted.token_ids == result["token_ids"], job_id

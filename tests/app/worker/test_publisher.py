@@ -9,12 +9,21 @@ import redis
 from weightq.engine import FinishEvent, TokenEvent
 from weightq.engine.params import TokenLogprobs
 from weightq.settings import Settings
-from weightq.tasks.contract import STREAM_TICK, job_key, stream_key
+from weightq.tasks.contract import STREAM_TICK, job_key, job_of_stream, stream_key
 from weightq.token_plane import TokenPlane
 from weightq.worker.publisher import StreamPublisher
 from weightq.worker.runs import RunEnd
 
 pytestmark = pytest.mark.service  # real Redis servers and worker processes
+
+
+def _apply(pub: StreamPublisher, seq: int, entries: list[tuple], fences: dict[str, int] | None = None) -> None:
+    """Entries of any shard, each shard's part in one script call, as the writer threads send them."""
+    by_shard: dict[int, list[tuple]] = {}
+    for entry in entries:
+        by_shard.setdefault(pub.plane.index(job_of_stream(entry[0])), []).append(entry)
+    for shard, part in by_shard.items():
+        pub._apply_on(pub.plane.durables[shard], seq, part, pub.runs.fences() if fences is None else fences)
 
 
 def _fields(r: redis.Redis, job: str) -> list[dict[str, str]]:
@@ -34,9 +43,9 @@ def test_plain_tokens_logprobs_and_the_end_land_as_the_contract_says_once(servic
             (finish, 100.75),
         ]
         entries = pub._entries(batch)
-        pub._apply(1, entries)
+        _apply(pub, 1, entries)
         tick = r.xrange(STREAM_TICK)
-        pub._apply(1, entries)  # a retry after a lost reply: nothing twice
+        _apply(pub, 1, entries)  # a retry after a lost reply: nothing twice
         assert r.xrange(STREAM_TICK) == tick and len(tick) == 1  # one tick per batch applied, the last kept
         assert _fields(r, "j1") == [{"type": "token", "i": "0", "text": " hé", "id": "5", "ts": "100.500000"}]
         j2 = _fields(r, "j2")
@@ -45,12 +54,12 @@ def test_plain_tokens_logprobs_and_the_end_land_as_the_contract_says_once(servic
         assert j2[1] == {"type": "token", "i": "1", "text": "b", "id": "7", "ts": "100.750000"}
         assert j2[2]["reason"] == "length" and json.loads(j2[2]["result"])["token_ids"] == [5, 7]
         assert r.hget(job_key("j2"), "state") == b"done" and r.ttl(stream_key("j2")) > 0
-        pub._apply(2, pub._entries([(TokenEvent("j1", 1, 6, ""), 101.0)]))  # an empty text is a value too
+        _apply(pub, 2, pub._entries([(TokenEvent("j1", 1, 6, ""), 101.0)]))  # an empty text is a value too
         assert _fields(r, "j1")[1]["text"] == ""
         (later,) = r.xrange(STREAM_TICK)  # readers blocked on the tick wake after the batch's entries
         assert later[0] > tick[0][0] and later[1] == {b"seq": b"2"}
         # A step's tuples from an engine process (tokens()) land as the same entries as its events.
-        pub._apply(3, pub._entries([([("j3", 0, 5, " hé", None), ("j3", 1, 6, "a", lp)], 102.25)]))
+        _apply(pub, 3, pub._entries([([("j3", 0, 5, " hé", None), ("j3", 1, 6, "a", lp)], 102.25)]))
         j3 = _fields(r, "j3")
         assert j3[0] == {"type": "token", "i": "0", "text": " hé", "id": "5", "ts": "102.250000"}
         assert json.loads(j3[1].pop("lp"))[:2] == ["a", -0.25]
@@ -77,8 +86,8 @@ def test_writes_of_a_run_that_another_run_replaced_are_refused(service):
             (FinishEvent("old", "length", "x", (5,), 1, 1, 0.0, 0.0, 0.0), 1.0),
             (FinishEvent("mine", "length", "y", (5,), 1, 1, 0.0, 0.0, 0.0), 1.0),
         ]
-        pub._apply(1, pub._entries(batch))
-        pub._apply(2, pub._entries([(TokenEvent("old", 8, 6, "z"), 2.0)]))
+        _apply(pub, 1, pub._entries(batch))
+        _apply(pub, 2, pub._entries([(TokenEvent("old", 8, 6, "z"), 2.0)]))
         assert r.xrange(stream_key("old")) == [] and r.hget(job_key("old"), "state") == b"running"
         assert [f["type"] for f in _fields(r, "mine")] == ["token", "end"]
         assert r.hget(job_key("mine"), "state") == b"done"

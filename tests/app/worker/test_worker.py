@@ -9,7 +9,7 @@ import time
 import pytest
 import redis
 from weightq.client import JobFailed
-from weightq.tasks.contract import job_key, stream_key
+from weightq.tasks.contract import job_key, stream_key, token_parts
 from weightq.tasks.request import RequestError
 
 pytestmark = pytest.mark.service  # real Redis servers and worker processes
@@ -142,9 +142,9 @@ def test_sigkill_mid_generation_loses_nothing(service):
         assert [e["type"] for e in entries].count("end") == 1 and entries[-1]["type"] == "end"
         markers = [i for i, e in enumerate(entries) if e["type"] == "attempt"]
         assert len(markers) == 2
-        tokens = [e for e in entries if e["type"] == "token"]
+        tokens = [p for e in entries if e["type"] == "token" for p in token_parts(e)]
         assert [int(e["i"]) for e in tokens] == list(range(n))  # resumed: each index once, in order
-        first_run = [e for e in entries[: markers[1]] if e["type"] == "token"]
+        first_run = [p for e in entries[: markers[1]] if e["type"] == "token" for p in token_parts(e)]
         assert 0 < len(first_run) == int(entries[markers[1]]["from"])  # the second run resumed after them
         assert "".join(e["text"] for e in tokens) == result["text"]
         assert [int(e["id"]) for e in tokens] == result["token_ids"]

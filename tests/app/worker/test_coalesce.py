@@ -1,0 +1,123 @@
+"""A stream writer's held tokens (app/worker/coalesce.py): when a stream is written, what is joined,
+and that joined entries read back as the tokens they hold, through Redis and every reader."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+from weightq.engine import FinishEvent, TokenEvent
+from weightq.engine.params import TokenLogprobs
+from weightq.settings import Settings
+from weightq.tasks.contract import (
+    BEGIN,
+    DEAD,
+    LEASES,
+    QUEUED,
+    RESUMING,
+    STARTED_HW,
+    Replay,
+    emitted_tokens,
+    held_key,
+    job_key,
+    stream_key,
+    token_parts,
+)
+from weightq.token_plane import TokenPlane
+from weightq.worker.coalesce import Holding
+from weightq.worker.publisher import StreamPublisher
+
+END = {"type": "end", "reason": "length", "result": "{}"}
+
+
+def tok(job: str, i: int, text: str = "x", stamp: str = "1.000000") -> tuple:
+    return stream_key(job), (i, text, 100 + i, stamp)
+
+
+def test_a_stream_is_written_at_once_then_at_most_once_per_interval_its_tokens_joined():
+    h = Holding(0.05)
+    h.add([tok("a", 0, "hé")], {"a": 1}, now_s=10.0)
+    assert h.due(now_s=10.0) == [([tok("a", 0, "hé")], {"a": 1})]  # the first token: at once
+    h.add([tok("a", 1, "b")], {"a": 1}, now_s=10.01)
+    h.add([tok("a", 2, ""), tok("b", 0, "z")], {"a": 1, "b": 1}, now_s=10.02)
+    assert h.wait_s(now_s=10.02) == 0.0  # b's first token is due
+    (write,) = h.due(now_s=10.02)
+    assert write == ([tok("b", 0, "z")], {"b": 1})  # a waits for its interval
+    assert h.wait_s(now_s=10.02) == pytest.approx(0.03)
+    assert h.due(now_s=10.04) == []
+    (write,) = h.due(now_s=10.05)
+    assert write == ([(stream_key("a"), (1, 2, "b", "101,102", "1,0", "1.000000"))], {"a": 1})
+    assert h.wait_s() is None
+
+
+def test_an_end_or_a_logprob_token_goes_at_once_after_what_was_held_and_a_new_run_is_not_joined():
+    h = Holding(1.0)
+    h.due(now_s=0.0)
+    h.add([tok("a", 0)], {"a": 1}, now_s=0.0)
+    h.due(now_s=0.0)
+    h.add([tok("a", 1), tok("a", 2)], {"a": 1}, now_s=0.1)
+    lp = (stream_key("a"), {"type": "token", "i": 3, "lp": "[]"}, None)
+    h.add([lp, tok("a", 4), (stream_key("a"), END, {"state": "done"})], {"a": 1}, now_s=0.2)
+    (write,) = h.due(now_s=0.2)
+    keys = [e[1] if len(e) == 3 else e[1][:2] for e in write[0]]
+    assert keys == [(1, 2), lp[1], (4, "x"), END]  # in order; a lone token keeps the one-token form
+    h.add([tok("a", 0)], {"a": 2}, now_s=0.3)  # the stream ended: a new run's first token goes at once
+    h.add([tok("a", 1)], {"a": 2}, now_s=0.3)
+    h.add([tok("a", 2)], {"a": 3}, now_s=0.3)  # another run here: the held go first, under their fence
+    assert h.due(now_s=0.3) == [
+        ([(stream_key("a"), (0, 2, "xx", "100,101", "1,1", "1.000000"))], {"a": 2}),
+        ([tok("a", 2)], {"a": 3}),
+    ]
+    h.add([tok("a", 3)], {"a": 3}, now_s=0.4)
+    assert h.due(now_s=0.4) == [] and h.due(everything=True, now_s=0.4) == [([tok("a", 3)], {"a": 3})]
+
+
+def test_at_interval_zero_only_the_steps_a_lagging_writer_missed_are_joined():
+    h = Holding(0.0)
+    h.add([tok("a", 0)], {}, now_s=1.0)
+    h.add([tok("a", 1)], {}, now_s=1.0)
+    assert h.due(now_s=1.0) == [([(stream_key("a"), (0, 2, "xx", "100,101", "1,1", "1.000000"))], {})]
+    h.add([tok("a", 2)], {}, now_s=1.0)
+    assert h.due(now_s=1.0) == [([tok("a", 2)], {})]
+
+
+@pytest.mark.service  # a real Redis server
+def test_joined_entries_read_back_as_their_tokens_everywhere(service):
+    """Through the worker's writer, Redis, BEGIN's resume point and the client's reader."""
+    r = redis.Redis.from_url(service.url, decode_responses=True)
+    job_id = service.client.submit("joined", max_new_tokens=8).id  # no worker: it stays queued
+    pub = StreamPublisher(
+        TokenPlane([redis.Redis.from_url(service.url)], Settings()), maxlen=1000, ttl_s=600, flush_s=0.3
+    )
+    texts = ["Hé", " wo", "", "rld", "🙂", "\n"]
+    lp = TokenLogprobs("!", -0.5, (9,), ("!",), (-0.5,))
+    try:
+        for i, text in enumerate(texts):
+            pub(TokenEvent(job_id, i, 10 + i, text))
+            pub.flush()
+            time.sleep(0.02)
+        time.sleep(0.5)
+        entries = [f for _, f in r.xrange(stream_key(job_id))]
+        assert [f.get("n") for f in entries] == [None, "5"]  # the first at once, the rest in one entry
+        assert entries[1]["text"] == "".join(texts[1:]) and entries[1]["id"] == "11,12,13,14,15"
+        emitted = emitted_tokens(entries)
+        assert emitted.texts == texts and emitted.token_ids == list(range(10, 16))
+        parts = [p for f in entries for p in token_parts(f)]
+        assert [p["i"] for p in parts] == [str(i) for i in range(6)]
+        replay = Replay()
+        assert [replay.fresh(f) for f in entries + entries] == [True, True, False, False]
+        # BEGIN resumes after the last token of the joined entry
+        keys = [job_key(job_id), stream_key(job_id), QUEUED, STARTED_HW, DEAD, held_key("w/1"), RESUMING, LEASES]
+        args = [1000, 60, 60, 3, time.time(), "w@test", job_id, "{}", "run-a", 5, "w/1", "t"]
+        assert r.register_script(BEGIN)(keys=keys, args=args)[4] == 6
+        pub.runs.begin(job_id, 1, {})
+        pub(TokenEvent(job_id, 6, 16, "!", lp))  # logprobs: never joined
+        pub(FinishEvent(job_id, "length", "".join(texts) + "!", tuple(range(10, 17)), 3, 7, 0.0, 0.1, 0.2))
+        pub.flush()
+        events = list(service.client.job(job_id).events(timeout=10))
+        tokens = [e for e in events if e.type == "token"]
+        assert [e.text for e in tokens] == [*texts, "!"] and tokens[-1].logprobs.logprob == -0.5
+        assert len({e.entry_id for e in tokens[1:6]}) == 1  # one entry's tokens share its id
+    finally:
+        pub.close()
