@@ -93,8 +93,8 @@ def follow(url: str, ids: list[str], out: Connection) -> None:
             for entry_id, raw in entries:
                 last[key] = entry_id
                 fields = dict(zip(raw[::2], raw[1::2], strict=True))
-                if fields[b"type"] == token:
-                    latencies.append(now - float(fields[b"ts"]))
+                if fields[b"type"] == token:  # a joined entry's tokens, each at its first one's latency
+                    latencies += [now - float(fields[b"ts"])] * int(fields.get(b"n", 1))
                 elif fields[b"type"] in ends:
                     del last[key]
                     break

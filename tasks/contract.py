@@ -14,7 +14,7 @@ worker queues, LoRA, the recovery lock) live on the first, the home (app/token_p
           and, when the request asks for logprobs, "lp": JSON [token text, logprob, top ids, top
           tokens, top logprobs] (the model's log_softmax, best first)
       {"type": "token", "i": first index, "n": count, "text": the deltas joined, "id": "5,6,7",
-       "len": each delta's length in characters, "5,0,2", "ts": the first one's emit time}
+       "len": each delta's length in Unicode code points, "5,0,2", "ts": the first one's emit time}
           several tokens of a job in one entry (a worker holds a stream's tokens up to
           STREAM_FLUSH_MS after its last write: fewer entries per token for Redis and readers);
           `token_parts` splits it into the one-token form; tokens with "lp" are never joined
@@ -281,6 +281,24 @@ def token_parts(fields: Mapping[str, str]) -> list[Mapping[str, str]]:
     return parts
 
 
+def part_id(entry_id: str, part: Mapping[str, str], fields: Mapping[str, str]) -> str:
+    """The id a reader gives one token of an entry: the entry's own for its last token, else
+    "<entry id>@<token index>", which `resume_from` turns back into a position."""
+    last = int(fields["i"]) + token_count(fields) - 1
+    return entry_id if int(part["i"]) == last else f"{entry_id}@{part['i']}"
+
+
+def resume_from(last_id: str) -> tuple[str, int]:
+    """Where to read a stream after a reader's last id: (the stream id to read after, the token
+    index to deliver from: 0 unless the id names a token inside a joined entry, "<entry id>@<i>")."""
+    entry, at, index = last_id.partition("@")
+    if not at:
+        return last_id, 0
+    ms, _, seq = entry.partition("-")
+    before = f"{ms}-{int(seq) - 1}" if int(seq) else f"{int(ms) - 1}-18446744073709551615"
+    return before, int(index) + 1
+
+
 def token_count(fields: Mapping[str, str]) -> int:
     """How many tokens a token entry carries."""
     return int(fields.get("n", 1))
@@ -303,6 +321,21 @@ class Replay:
             return False
         self.delivered = i + token_count(fields)
         return True
+
+    def unseen(self, fields: Mapping[str, str]) -> Mapping[str, str] | None:
+        """The entry, or the tokens of it past those delivered (a joined entry that overlaps them),
+        or None."""
+        if fields.get("type") != EntryType.TOKEN or int(fields.get("i", 0)) >= self.delivered:
+            return fields if self.fresh(fields) else None
+        tail = [p for p in token_parts(fields) if int(p["i"]) >= self.delivered]
+        if not tail:
+            return None
+        self.delivered = int(tail[-1]["i"]) + 1
+        if len(tail) == 1:
+            return tail[0]
+        joined = {"text": "".join(p["text"] for p in tail), "id": ",".join(p["id"] for p in tail)}
+        lengths = ",".join(str(len(p["text"])) for p in tail)
+        return {**fields, "i": tail[0]["i"], "n": str(len(tail)), "len": lengths, **joined}
 
 
 @dataclass(slots=True)

@@ -42,6 +42,8 @@ from weightq.tasks.contract import (
     decode_fields,
     job_key,
     outcome,
+    part_id,
+    resume_from,
     staged_queue,
     stream_key,
     token_parts,
@@ -112,11 +114,13 @@ class Job:
         self.id = job_id
 
     def events(self, timeout: float | None = None, last_id: str = "0-0") -> Iterator[StreamEvent]:
-        """Every stream entry from `last_id` on, until the end (or error) entry, one event per token
-        (the tokens of one entry share its id: resuming from it goes on after them all). Raises
-        JobNotFound for an id no job has, StreamExpired for a job whose stream has expired."""
+        """Every stream entry after `last_id`, until the end (or error) entry, one event per token
+        (a joined entry's tokens before its last have ids "<entry id>@<index>": resuming from any
+        event's id goes on after it). Raises JobNotFound for an id no job has, StreamExpired for a
+        job whose stream has expired."""
         r = self.client.readers.of(self.id)
         key = stream_key(self.id)
+        last_id, skip = resume_from(last_id)  # "<entry id>@<i>": a token inside a joined entry
         waited = 0.0
         block_ms = 0  # the first read does not block: a stream not there yet is looked into at once
         while True:
@@ -137,9 +141,10 @@ class Job:
             for entry_id, raw in resp[0][1]:
                 ev = _decode(entry_id, raw)
                 last_id = ev.entry_id
-                if "n" in ev.data:  # several tokens in one entry: one event each, with the entry's id
+                if "n" in ev.data:  # several tokens in one entry: one event each, its last with the entry's id
                     for part in token_parts(ev.data):
-                        yield StreamEvent(ev.type, ev.entry_id, dict(part))
+                        if int(part["i"]) >= skip:
+                            yield StreamEvent(ev.type, part_id(ev.entry_id, part, ev.data), dict(part))
                     continue
                 yield ev
                 if ev.type in END_TYPES:

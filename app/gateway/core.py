@@ -24,7 +24,7 @@ from weightq.client import Client
 from weightq.metrics import BacklogCollector, QueueCollector, WorkerCollector, queue_depths, read_live_workers
 from weightq.redis_conn import redacted
 from weightq.settings import Settings
-from weightq.tasks.contract import DEAD, Replay, job_key, outcome
+from weightq.tasks.contract import DEAD, Replay, job_key, outcome, resume_from
 from weightq.tasks.heartbeat import Heartbeat
 from weightq.tasks.limits import ID_PATTERN, LOCAL_TENANT
 from weightq.tasks.request import JobRequest
@@ -40,7 +40,7 @@ from .submitter import Submitter
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 T = TypeVar("T")
-STREAM_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
+STREAM_ID = re.compile(r"^\d{1,20}-\d{1,20}(@\d{1,10})?$")  # "@<i>": a token inside a joined entry
 
 
 class Gateway:
@@ -158,6 +158,7 @@ class Gateway:
         """events() as lists of what had arrived together (a streamed response writes each in one go)."""
         assert self.hub is not None
         replay = Replay()
+        last_id, replay.delivered = resume_from(last_id)
         timeout = self.settings.request_timeout_s
         it = self.hub.follow_batches(job_id, last_id, timeout)
         try:
@@ -168,7 +169,7 @@ class Gateway:
                     return
                 except TimeoutError:
                     raise HTTPError(504, f"job {job_id}: nothing for {timeout} s", None, "timeout") from None
-                fresh = [(eid, f) for eid, f in batch if replay.fresh(f)]
+                fresh = [(eid, g) for eid, f in batch if (g := replay.unseen(f)) is not None]
                 if fresh:
                     yield fresh
         finally:

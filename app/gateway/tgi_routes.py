@@ -7,7 +7,7 @@ import asyncio
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from weightq.tasks.contract import EntryType, outcome, token_parts
+from weightq.tasks.contract import EntryType, outcome, part_id, token_parts
 from weightq.tasks.limits import Door
 
 from . import streams
@@ -79,7 +79,7 @@ def register(app: FastAPI, gw: Gateway) -> None:
                     event = {"token": token(part), "generated_text": None, "details": None}
                     if params.get("top_n_tokens"):
                         event["top_tokens"] = top_tokens(part)
-                    events.append(sse(event, entry_id))
+                    events.append(sse(event, part_id(entry_id, part, f)))
                 return events
             if kind == EntryType.END:
                 # TGI sends the last token with the full text; our end entry carries no token, so a last

@@ -40,6 +40,7 @@ class Holding:
         self._held: dict[str, _Stream] = {}  # stream key -> what it waits to write
         self._last_s: dict[str, float] = {}  # stream key -> when it was last written (open streams)
         self._early: list[Write] = []  # held entries a change of fence sends ahead of the rest
+        self._prune_at = PRUNE_AT
 
     def add(self, entries: list[Entry], fences: dict[str, int], now_s: float | None = None) -> None:
         """A step's entries, flushed under `fences`. A stream's token waits for its interval unless
@@ -62,6 +63,13 @@ class Holding:
             if len(entry) == 3:  # not a plain token
                 held.due_s = now_s
 
+    def end(self, key: str) -> None:
+        """The stream's job finished here, whether or not an entry says so (a job requeued at shutdown
+        has none): what it holds goes in the next write, before its task goes on."""
+        if (held := self._held.get(key)) is not None:
+            held.due_s = float("-inf")
+        self._last_s.pop(key, None)
+
     def due(self, *, everything: bool = False, now_s: float | None = None) -> list[Write]:
         """What to write now (all of it when the writer closes): usually one write, each stream's
         plain tokens in a row joined into one entry."""
@@ -79,12 +87,13 @@ class Holding:
             last = held.entries[-1]
             if len(last) == 3 and last[1].get("type") in END_TYPES:
                 self._last_s.pop(key, None)  # the stream has ended
-            else:
+            elif held.due_s != float("-inf"):  # (not ended here without an entry: `end`)
                 self._last_s[key] = now_s
         if entries:
             writes.append((entries, fences))
-        if len(self._last_s) > PRUNE_AT:  # a stream idle past the interval is written at once anyway
+        if len(self._last_s) > self._prune_at:  # a stream idle past the interval is written at once anyway
             self._last_s = {k: t for k, t in self._last_s.items() if now_s - t < self.interval_s}
+            self._prune_at = max(PRUNE_AT, 2 * len(self._last_s))
         return writes
 
     def wait_s(self, now_s: float | None = None) -> float | None:

@@ -140,11 +140,14 @@ class StreamPublisher:
                     continue
                 batch, fences = item
                 holding.add(self._entries(batch), fences)
-                finished += [ev.request_id for ev, _ in batch if isinstance(ev, FinishEvent)]
+                for ev, _ in batch:
+                    if isinstance(ev, FinishEvent):
+                        finished.append(ev.request_id)
+                        holding.end(stream_key(ev.request_id))
             for entries, fences in holding.due(everything=closing):
                 seq += 1
                 self._write(durable, seq, entries, fences)
-            for job_id in finished:  # an end is never held: it was written above
+            for job_id in finished:  # a finished job's stream is never held: it was written above
                 self.runs.written(job_id)
 
     def _write(self, durable: Durable, seq: int, entries: list[tuple], fences: dict[str, int]) -> None:

@@ -21,6 +21,7 @@ from weightq.tasks.contract import (
     emitted_tokens,
     held_key,
     job_key,
+    resume_from,
     stream_key,
     token_parts,
 )
@@ -73,6 +74,27 @@ def test_an_end_or_a_logprob_token_goes_at_once_after_what_was_held_and_a_new_ru
     assert h.due(now_s=0.4) == [] and h.due(everything=True, now_s=0.4) == [([tok("a", 3)], {"a": 3})]
 
 
+def test_a_job_that_ends_without_an_entry_has_its_held_tokens_written_before_its_task_goes_on():
+    h = Holding(1.0)
+    h.add([tok("a", 0)], {"a": 1}, now_s=0.0)
+    h.due(now_s=0.0)
+    h.add([tok("a", 1)], {"a": 1}, now_s=0.1)  # requeued at shutdown: its finish writes no entry
+    h.end(stream_key("a"))
+    assert h.due(now_s=0.1) == [([tok("a", 1)], {"a": 1})]
+    h.add([tok("a", 2)], {"a": 1}, now_s=0.2)  # run here again: its first token goes at once
+    assert h.due(now_s=0.2) == [([tok("a", 2)], {"a": 1})]
+
+
+def test_a_reader_gets_the_tokens_of_an_overlapping_joined_entry_it_has_not_seen():
+    replay = Replay()
+    joined = {"type": "token", "i": "0", "n": "3", "text": "abc", "id": "1,2,3", "len": "1,1,1", "ts": "1"}
+    assert replay.unseen(joined) is joined
+    again = {**joined, "i": "2", "text": "cde", "id": "3,4,5"}  # a repeat of index 2, then 3 and 4
+    tail = replay.unseen(again)
+    assert [p["text"] for p in token_parts(tail)] == ["d", "e"] and [p["i"] for p in token_parts(tail)] == ["3", "4"]
+    assert replay.unseen(again) is None and replay.unseen({"type": "end"}) == {"type": "end"}
+
+
 def test_at_interval_zero_only_the_steps_a_lagging_writer_missed_are_joined():
     h = Holding(0.0)
     h.add([tok("a", 0)], {}, now_s=1.0)
@@ -118,6 +140,11 @@ def test_joined_entries_read_back_as_their_tokens_everywhere(service):
         events = list(service.client.job(job_id).events(timeout=10))
         tokens = [e for e in events if e.type == "token"]
         assert [e.text for e in tokens] == [*texts, "!"] and tokens[-1].logprobs.logprob == -0.5
-        assert len({e.entry_id for e in tokens[1:6]}) == 1  # one entry's tokens share its id
+        joined_id = tokens[5].entry_id  # the joined entry's last token has the entry's id, the others "@<i>"
+        assert [e.entry_id for e in tokens[1:5]] == [f"{joined_id}@{i}" for i in range(1, 5)]
+        for k in range(6):  # a reader resuming from any token's id gets exactly the tokens after it
+            again = list(service.client.job(job_id).events(timeout=10, last_id=tokens[k].entry_id))
+            assert [e.text for e in again if e.type == "token"] == [*texts, "!"][k + 1 :], k
+        assert resume_from("5-0@3") == ("4-18446744073709551615", 4) and resume_from("5-2@3") == ("5-1", 4)
     finally:
         pub.close()
