@@ -30,7 +30,7 @@ from weightq.client import Client
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from weightq.redis_conn import raw_xread, xread_streams
 from weightq.settings import Settings
-from weightq.tasks.contract import END_TYPES, STREAM_TICK, EntryType, stream_key
+from weightq.tasks.contract import END_TYPES, STREAM_TICK, TICKS_KEPT, EntryType, stream_key
 
 BUDGET = 65536
 TICK = os.sysconf("SC_CLK_TCK")
@@ -73,8 +73,9 @@ def follow(url: str, ids: list[str], out: Connection) -> None:
     """One reader for every stream, in a process of its own (as a gateway is: sharing the
     submitting client's GIL added its switch interval to every read): XREAD over all unfinished keys
     until each has ended, then the latencies (read time - emit stamp) go back over `out`. Between reads it
-    blocks on the workers' STREAM_TICK stream, and replies are read as hiredis parses them
-    (app/redis_conn.py: raw_xread), as the gateway's hub does both."""
+    blocks on the workers' STREAM_TICK stream and reads the streams its ticks name (all of them when
+    none came, or some may be trimmed), and replies are read as hiredis parses them (app/redis_conn.py:
+    raw_xread), as the gateway's hub does."""
     r = redis.Redis.from_url(url, socket_timeout=30)
     raw_xread(r)
     r.ping()
@@ -83,9 +84,10 @@ def follow(url: str, ids: list[str], out: Connection) -> None:
     token, ends = EntryType.TOKEN.encode(), {t.encode() for t in END_TYPES}
     cpu0 = cpu_s()  # the reader's own work, not its start-up imports
     out.send("ready")
-    tick = "0-0"
+    tick, named = "0-0", None  # None: read every unfinished stream
     while last:
-        resp = r.xread(last, count=1000)
+        streams = last if named is None else {k: last[k] for k in named if k in last}
+        resp = r.xread(streams, count=1000) if streams else None
         now = time.time()
         full = False
         for key, entries in xread_streams(resp):
@@ -98,9 +100,15 @@ def follow(url: str, ids: list[str], out: Connection) -> None:
                 elif fields[b"type"] in ends:
                     del last[key]
                     break
+        named = None
         if last and not full:
-            for _, entries in xread_streams(r.xread({STREAM_TICK: tick}, block=100)):  # until the next batch
+            for _, entries in xread_streams(
+                r.xread({STREAM_TICK: tick}, block=100, count=TICKS_KEPT)
+            ):  # the next batch
                 tick = entries[-1][0]
+                ids = [dict(zip(raw[::2], raw[1::2], strict=True)).get(b"keys") for _, raw in entries]
+                if len(entries) < TICKS_KEPT and None not in ids:
+                    named = {k for b in ids if b for k in b.decode().split(" ")}
     out.send((latencies, cpu_s() - cpu0))
 
 

@@ -90,10 +90,12 @@ HEARTBEATS = "weightq:workers"
 RECOVER_LOCK = "weightq:recover-lock"
 LEASES = "weightq:leases"
 RESUMING = "weightq:resuming"
-# One entry (MAXLEN 1) per batch of stream entries a worker writes: a reader following many streams
-# blocks on this one key and then reads them all, where a blocked XREAD of hundreds of keys cost a
-# full command to send and Redis 6 answered it with just the stream that woke it.
+# One entry per batch of stream entries a worker writes (WRITE_BATCH; FAIL too), the last 64 kept, its
+# "keys" the streams written to (space-separated): a reader following many streams blocks on this one key, then
+# reads only the streams named (a blocked XREAD of hundreds of keys cost a full command to send, and
+# Redis 6 answered it with just the stream that woke it). An entry without "keys": read them all.
 STREAM_TICK = "weightq:stream-tick"
+TICKS_KEPT = 64  # its length (the scripts' MAXLEN): a reader that reads this many may have missed some
 # Prefix affinity: each worker's own queue, by queue name: {"queue": the shared queue, "instance",
 # "hostname"}. Whoever finds the instance's lease lapsed moves what waits there to the shared queue.
 WORKER_QUEUES = "weightq:worker-queues"

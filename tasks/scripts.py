@@ -37,10 +37,9 @@ redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('ZADD', KEYS[2], 'NX', ARGV[2], ARGV[4])
 """
 
-# Back to the queue at a worker's shutdown, listed as queued since `since` (see JobRunner._requeue);
-# unless its client cancelled it meanwhile (the flag is set even if the engine never heard of it):
-# then it ends here, cancelled, with what it had generated. Returns 1 when it ended, 0 when requeued,
-# 2 when a later run has begun (this one's worker was taken for dead: nothing to do).
+# Back to the queue at a worker's shutdown, queued since `since` (JobRunner._requeue), unless its client
+# cancelled it meanwhile (flagged even if the engine never heard of it): then it ends here, cancelled,
+# with what it had generated. Returns a `Requeued`.
 # KEYS: job hash, queued set, stream. ARGV: since, job id, result JSON, stream maxlen, stream ttl, attempt.
 REQUEUE = """
 if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[6] then return 2 end
@@ -135,12 +134,11 @@ redis.call('EXPIRE', KEYS[2], ARGV[2])
 return {n, '', submitted, crashes, from}
 """
 
-# The jobs of a worker instance found dead (app/worker/reaper.py): those inside its engine are charged
-# a crash, the others it held are released uncharged; each dead run once, however many reapers race.
-# Each is listed in RESUMING until a run of it begins (BEGIN), so that the lost-job sweep re-sends it
-# should its message be lost on the way (a worker killed between taking it and recording it).
-# KEYS: RESUMING, then job hashes. ARGV: the instance, then per job 1 (inside its engine) or 0 and its id.
-# Returns the hash keys of the jobs charged.
+# A dead worker instance's jobs (app/worker/reaper.py): those inside its engine are charged a crash, the
+# others released uncharged; each dead run once, however many reapers race. Each stays in RESUMING until
+# a run of it begins (BEGIN), so the lost-job sweep re-sends it should its message be lost on the way.
+# KEYS: RESUMING, then job hashes. ARGV: the instance, then per job 1 (inside its engine) or 0 and its
+# id. Returns the hash keys of the jobs charged.
 CHARGE = """
 local out = {}
 for i = 2, #KEYS do
@@ -159,9 +157,10 @@ end
 return out
 """
 
-# Fail a job before it runs (a refused request): once, however often it is retried or redelivered.
-# Or fail a run that raised (ARGV[7], its attempt: a no-op once a later run has begun).
-# KEYS: job hash, stream, queued set. ARGV: stream maxlen, stream ttl, job ttl, message, field, job id, attempt or ''.
+# Fail a job before it runs (a refused request), once however often retried or redelivered; or a run
+# that raised (ARGV[7], its attempt: a no-op once a later run has begun).
+# KEYS: job hash, stream, queued set, STREAM_TICK. ARGV: stream maxlen, stream ttl, job ttl, message, field,
+# job id, attempt or ''. Ticks (as WRITE_BATCH does), so a gateway answers a refused request at once.
 FAIL = """
 if redis.call('HGET', KEYS[1], 'state') == 'done' then return 0 end
 if ARGV[7] ~= '' and redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[7] then return 0 end
@@ -170,6 +169,7 @@ redis.call('EXPIRE', KEYS[2], ARGV[2])
 redis.call('HSET', KEYS[1], 'state', 'done', 'error', ARGV[4], 'field', ARGV[5])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('ZREM', KEYS[3], ARGV[6])
+redis.call('XADD', KEYS[4], 'MAXLEN', '64', '*', 'keys', KEYS[2])
 return 1
 """
 
@@ -177,7 +177,7 @@ return 1
 # e.g. OOM under maxmemory) instead of retrying for ever. Its first write (HDEL of the stored request,
 # which a finished job no longer needs) frees memory and is not refused under maxmemory; Redis then
 # lets the script's other writes through (a script that has begun writing is not stopped midway).
-# Fenced as WRITE_BATCH is: a job that has begun a later run than the writer's is not its to end (2).
+# Fenced as WRITE_BATCH is: a job that has begun a later run is not its to end (`Aborted`).
 # KEYS: job hash, stream. ARGV: stream maxlen, stream ttl, job ttl, message, the writer's attempt ('': any).
 ABORT = """
 local state = redis.call('HGET', KEYS[1], 'state')
@@ -191,11 +191,10 @@ redis.call('EXPIRE', KEYS[1], ARGV[3])
 return 1
 """
 
-# A step's stream entries, applied at most once per (writer, seq). A job's last entry and its final
-# state go together, so a worker that dies after writing the end never leaves a 'running' job that a
-# redelivery would run again. Fenced: a stream whose job has begun a later run than the writer's
-# (its worker was paused, taken for dead, and the job resumed elsewhere) gets nothing.
-# Then one STREAM_TICK entry, after them all (readers block on it).
+# Stream entries, applied at most once per (writer, seq). A job's last entry and final state go together
+# (a worker dying after the end never leaves a 'running' job to run again). Fenced: a stream whose job
+# has begun a later run than the writer's (paused, taken for dead, resumed elsewhere) gets nothing.
+# Then one STREAM_TICK entry, after them all, naming the streams written (readers block on it, then read those).
 # KEYS: the writer's key, STREAM_TICK, then streams and job hashes. ARGV: maxlen, stream ttl, job ttl, seq,
 # the number of fences, per fence its stream index, job index (into KEYS) and the writer's attempt;
 # then per entry its stream index and either 0 and a plain token's four values (index, text,
@@ -207,7 +206,7 @@ WRITE_BATCH = """
 if tonumber(redis.call('GET', KEYS[1]) or '0') >= tonumber(ARGV[4]) then return {} end
 redis.call('SET', KEYS[1], ARGV[4], 'EX', 86400)
 local maxlen = ARGV[1]
-local fenced, out = {}, {}
+local fenced, out, wrote = {}, {}, {}
 local i = 6
 for _ = 1, tonumber(ARGV[5]) do
   local job = KEYS[tonumber(ARGV[i + 1])]
@@ -221,6 +220,7 @@ while i <= #ARGV do
   local key = KEYS[tonumber(ARGV[i])]
   local skip = fenced[tonumber(ARGV[i])]
   local n = tonumber(ARGV[i + 1])
+  if not skip then wrote[ARGV[i]] = true end
   if n == 0 then
     if not skip then
       redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', 'type', 'token', 'i', ARGV[i + 2], 'text', ARGV[i + 3],
@@ -250,7 +250,9 @@ while i <= #ARGV do
     i = i + 4 + 2 * n + 2 * m
   end
 end
-redis.call('XADD', KEYS[2], 'MAXLEN', '1', '*', 'seq', ARGV[4])
+local ids = {}
+for k in pairs(wrote) do ids[#ids + 1] = KEYS[tonumber(k)] end
+redis.call('XADD', KEYS[2], 'MAXLEN', '64', '*', 'seq', ARGV[4], 'keys', table.concat(ids, ' '))
 return out
 """
 
@@ -271,10 +273,9 @@ redis.call('EXPIRE', KEYS[2], ARGV[2])
 return 'queued'
 """
 
-# Move waiting messages between two queues, list by list (one per priority, the most urgent first),
-# the oldest first, up to ARGV[1] of them (0: all): they are put where they are taken next, in the
-# order they had. A work-stealing worker moves a backlogged worker's messages into its own queue; a
-# dead worker's own queue is moved into the shared one. Atomic: a message is never out of Redis.
+# Move waiting messages between two queues, list by list (the most urgent first), the oldest first, up
+# to ARGV[1] of them (0: all), put where they are taken next, in their order: a stealing worker takes a
+# backlogged one's, a dead worker's own queue goes to the shared one. Atomic: never out of Redis.
 # KEYS: the source's lists, then the destination's (as many). ARGV: most messages. Returns the count.
 MOVE_QUEUED = """
 local n = tonumber(ARGV[1])
@@ -299,9 +300,8 @@ return moved
 # tenant t and weight w gets the start tag S = max(v, F_t), and F_t becomes S + w: a tenant's jobs keep
 # their order, a flooding tenant's tags run far ahead of v, and a tenant back from idle starts at v
 # (staying away saves no credit). Jobs are released by class, then by start tag. A member is
-# "<tenant> <the kombu message>" (a tenant holds no space: tasks/limits.py ID_PATTERN). The hash's `n`
-# counts the target's staged jobs (never below them: only RELEASE takes it down, as it takes one out),
-# so that an idle worker's release costs a read, not a look at twenty sets.
+# "<tenant> <the kombu message>" (a tenant holds no space: ID_PATTERN). The hash's `n` counts the staged
+# jobs (only RELEASE takes it down), so an idle worker's release costs a read, not a look at twenty sets.
 # KEYS: the staged set of the job's priority, the target's fair hash. ARGV: the kombu message (as kombu
 # would push it), tenant, weight, its priority index (each class has its virtual clock `v:<index>`;
 # a tenant's finish tag counts its service in every class). Returns the start tag.
@@ -317,9 +317,9 @@ return string.format('%.17g', s)
 
 # Release staged jobs into the lists Celery consumes, the most urgent class first, within a class the
 # smallest start tag first, each source in the order given (a worker's own target, then the shared one).
-# Up to ARGV[1] jobs of any class (what the worker can start now, less what already waits in its
-# lists), then up to ARGV[2] more of the urgent classes (priority index <= ARGV[3]: they preempt
-# background work in the engine), then up to ARGV[6] more of the urgent classes whose tenant is not
+# Up to ARGV[1] jobs of any class (what the worker can start now, less what waits in its lists), then up
+# to ARGV[2] more of the urgent classes (priority index <= ARGV[3]: they preempt background work in the
+# engine), then up to ARGV[6] more of the urgent classes whose tenant is not
 # among ARGV[7..] (those holding an equal share of the engine or more), the first such among the next
 # LIGHT_SCAN of the class (past a heavy tenant's jobs at its head): the batcher lets such a job in by
 # preempting the heaviest tenant's newest requests; those beyond the room go to the consuming end of

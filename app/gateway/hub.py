@@ -16,12 +16,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aredis
 from weightq.redis_conn import connect_async, raw_xread, xread_streams
 from weightq.settings import Settings
-from weightq.tasks.contract import STREAM_TICK, is_end, shard_of, stream_key
+from weightq.tasks.contract import STREAM_TICK, TICKS_KEPT, is_end, shard_of, stream_key
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,10 @@ class _Shard:
     redis: aredis.Redis
     followers: dict[str, list[_Follower]]  # by stream key
     wake: asyncio.Event
+    fresh: set[str] = field(default_factory=set)  # streams followed since the last read: read them next
+
+
+FULL_EVERY_S = 0.25  # every followed stream is read at least this often (entries written without a tick)
 
 
 class StreamHub:
@@ -90,6 +94,7 @@ class StreamHub:
         me = _Follower(last_id, queue, idle_timeout_s, asyncio.get_running_loop().time())
         shard = self._shards[shard_of(job_id, len(self._shards))]
         shard.followers.setdefault(key, []).append(me)
+        shard.fresh.add(key)
         shard.wake.set()
         try:
             while True:
@@ -126,25 +131,47 @@ class StreamHub:
                     f.queue.put_nowait(TimeoutError())
 
     async def _read_loop(self, shard: _Shard) -> None:
-        """Reads every followed stream, then waits for the next batch a worker writes (its STREAM_TICK entry)
-        or block_ms, whichever comes first: entries that other writers add without a tick (a client's
-        cancel of a queued job, a task's attempt marker) arrive within block_ms."""
+        """Reads the followed streams that the ticks since the last read name (and new followers'),
+        then waits for the next tick or block_ms, whichever comes first. Every followed stream is read
+        when no tick came within block_ms, when the ticks may have been trimmed, and every
+        FULL_EVERY_S: entries that other writers add without a tick (a task's attempt marker, a
+        client's cancel of a queued job) arrive within that."""
         loop = asyncio.get_running_loop()
-        tick = "0-0"
+        tick, named, everything, last_full = "0-0", set(), True, 0.0
         while not self._closing:
             if not shard.followers:
                 shard.wake.clear()
                 await shard.wake.wait()
                 continue
-            streams = {key: min((f.last_id for f in fs), key=_position) for key, fs in shard.followers.items()}
+            now = loop.time()
+            if everything or now - last_full >= FULL_EVERY_S:
+                keys, everything, last_full = shard.followers.keys(), False, now
+            else:
+                keys = [k for k in named | shard.fresh if k in shard.followers]
+            shard.fresh.clear()
+            streams = {key: min((f.last_id for f in shard.followers[key]), key=_position) for key in keys}
             try:
-                full = self._deliver(shard, await shard.redis.xread(streams, count=self.count), loop.time())
-                if not full:  # nothing left behind: wait for the next write
-                    woke = await shard.redis.xread({STREAM_TICK: tick}, block=self.block_ms)
-                    for _, entries in xread_streams(woke):
-                        tick = entries[-1][0].decode()
+                full = bool(streams) and self._deliver(shard, await shard.redis.xread(streams, count=self.count), now)
+                if full:  # a stream has more than one read's worth: read them all again at once
+                    everything = True
+                    continue
+                woke = await shard.redis.xread({STREAM_TICK: tick}, block=self.block_ms, count=TICKS_KEPT)
+                ticks = [entries for _, entries in xread_streams(woke)]
+                named = set()
+                if not ticks or len(ticks[0]) >= TICKS_KEPT:
+                    everything = True  # no tick (entries written without one?), or some may be trimmed
+                    tick = ticks[0][-1][0].decode() if ticks else tick
+                    continue
+                tick = ticks[0][-1][0].decode()
+                for _, raw in ticks[0]:
+                    ids = _field(raw, b"keys")
+                    if ids is None:  # a writer that names nothing: read everything
+                        everything = True
+                    elif ids:
+                        named.update(ids.decode().split(" "))
             except aredis.RedisError as e:  # Redis away: tell nobody yet, retry (followers time out on their own)
                 log.warning("stream hub: %s; retrying", e)
+                everything = True
                 await asyncio.sleep(0.5)
 
     def _deliver(self, shard: _Shard, resp, now: float) -> bool:
@@ -176,6 +203,14 @@ def _give(follower: _Follower, entries: list, now: float) -> None:
         if is_end(fields):
             break
     follower.seen = now
+
+
+def _field(raw: list, name: bytes) -> bytes | None:
+    """A field of a raw stream entry (hiredis' flat [name, value, ...] list)."""
+    for k in range(0, len(raw) - 1, 2):
+        if raw[k] == name:
+            return raw[k + 1]
+    return None
 
 
 def _position(entry_id: str) -> tuple[int, int]:

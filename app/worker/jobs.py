@@ -28,6 +28,7 @@ from weightq.tasks.contract import (
     RESUMING,
     RUNNING_STREAM_TTL_S,
     STARTED_HW,
+    STREAM_TICK,
     Begun,
     Emitted,
     Requeued,
@@ -246,7 +247,7 @@ class JobRunner:
         self.retrying(
             lambda: self.plane.durable(job_id).run(
                 self._fail,
-                [job_key(job_id), stream_key(job_id), QUEUED],
+                [job_key(job_id), stream_key(job_id), QUEUED, STREAM_TICK],
                 [s.stream_maxlen, s.stream_ttl_s, s.result_ttl_s, message, field, job_id, attempt],
             )
         )

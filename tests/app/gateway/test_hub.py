@@ -10,7 +10,7 @@ import pytest
 import redis
 from weightq.gateway.hub import StreamHub
 from weightq.settings import Settings
-from weightq.tasks.contract import EntryType, stream_key
+from weightq.tasks.contract import STREAM_TICK, TICKS_KEPT, EntryType, stream_key
 
 pytestmark = pytest.mark.service  # real Redis servers and worker processes
 
@@ -61,6 +61,45 @@ def test_silent_stream_times_out_near_its_idle_timeout(redis_url, idle_s):
             assert idle_s <= waited, waited  # never early; late by at most a check, plus a busy machine
             assert hub.following == 0
         finally:
+            await hub.close()
+
+    run(main())
+
+
+def test_the_hub_reads_the_streams_its_ticks_name_and_every_stream_now_and_then(redis_url):
+    """Under a steady stream of ticks the hub reads only the jobs they name; an entry written without a
+    tick naming its job (an attempt marker, a client's cancel of a queued job) still arrives."""
+    sync = redis.Redis.from_url(redis_url)
+
+    async def main():
+        hub = StreamHub([redis_url], Settings(redis_url=redis_url))
+        await hub.start()
+        ticking = True
+
+        async def tick_for_others():  # another job's batches, every 10 ms: the hub never times out on a tick
+            while ticking:
+                other = {"seq": 1, "keys": stream_key("someone-else")}
+                await asyncio.to_thread(sync.xadd, STREAM_TICK, other, maxlen=TICKS_KEPT)
+                await asyncio.sleep(0.01)
+
+        ticker = asyncio.create_task(tick_for_others())
+        try:
+            reader = asyncio.create_task(collect(hub, "hub-named", idle_s=10))
+            await asyncio.sleep(0.1)
+            t0 = time.monotonic()
+            await asyncio.to_thread(sync.xadd, stream_key("hub-named"), {"type": EntryType.TOKEN, "i": 0, "text": "x"})
+            await asyncio.to_thread(sync.xadd, stream_key("hub-named"), {"type": EntryType.END, "result": "{}"})
+            got = await asyncio.wait_for(reader, 10)  # no tick names it: the periodic read of every stream
+            assert [f["type"] for _, f in got] == ["token", "end"] and time.monotonic() - t0 < 2
+            reader = asyncio.create_task(collect(hub, "hub-ticked", idle_s=10))
+            await asyncio.sleep(0.1)
+            await asyncio.to_thread(sync.xadd, stream_key("hub-ticked"), {"type": EntryType.END, "result": "{}"})
+            both = {"seq": 2, "keys": f"{stream_key('a')} {stream_key('hub-ticked')}"}
+            await asyncio.to_thread(sync.xadd, STREAM_TICK, both, maxlen=TICKS_KEPT)
+            assert [f["type"] for _, f in await asyncio.wait_for(reader, 10)] == ["end"]
+        finally:
+            ticking = False
+            await ticker
             await hub.close()
 
     run(main())

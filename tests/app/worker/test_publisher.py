@@ -56,8 +56,9 @@ def test_plain_tokens_logprobs_and_the_end_land_as_the_contract_says_once(servic
         assert r.hget(job_key("j2"), "state") == b"done" and r.ttl(stream_key("j2")) > 0
         _apply(pub, 2, pub._entries([(TokenEvent("j1", 1, 6, ""), 101.0)]))  # an empty text is a value too
         assert _fields(r, "j1")[1]["text"] == ""
-        (later,) = r.xrange(STREAM_TICK)  # readers blocked on the tick wake after the batch's entries
-        assert later[0] > tick[0][0] and later[1] == {b"seq": b"2"}
+        later = r.xrange(STREAM_TICK)[-1]  # readers blocked on the tick wake after the batch's entries
+        assert later[0] > tick[0][0] and later[1] == {b"seq": b"2", b"keys": stream_key("j1").encode()}
+        assert set(tick[0][1][b"keys"].split()) == {stream_key(j).encode() for j in ("j1", "j2")}  # what to read
         # A step's tuples from an engine process (tokens()) land as the same entries as its events.
         _apply(pub, 3, pub._entries([([("j3", 0, 5, " hé", None), ("j3", 1, 6, "a", lp)], 102.25)]))
         j3 = _fields(r, "j3")
