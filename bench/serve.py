@@ -42,6 +42,7 @@ from weightq.cli.processes import GatewayProcess, WorkerProcess
 from weightq.cli.redis_server import EmbeddedRedis, free_port
 from weightq.engine import Engine, EngineConfig
 from weightq.engine.model import builtin_path
+from weightq.settings import Settings
 from weightq.tasks.contract import EntryType, job_key, stream_key
 
 from . import cputime
@@ -332,6 +333,7 @@ def main() -> None:
         "bench": "serve",
         "runner": args.runner,
         "budget_kv_tokens": BUDGET,
+        "stream_flush_ms": Settings().stream_flush_ms,  # the worker's (it inherits this environment)
         "rounds": args.rounds,
         "cases": [],
     }
