@@ -151,8 +151,7 @@ def test_a_second_follower_of_a_live_stream_is_served_and_cancels_nothing(hostil
         got, done = 0, False
         for line in lines:  # the original keeps streaming to its end
             got += line.startswith("data: {")
-            if line == "data: [DONE]":
-                done = True
+            if done := line == "data: [DONE]":
                 break
     result = json.loads(hostile.r.hget(job_key(job_id), "result"))
     assert result["finish_reason"] == "length" and result["usage"]["completion_tokens"] == LONG["max_tokens"]
