@@ -78,18 +78,18 @@ class BlockLedger:
         """The pages of `keys` if every one is cached (held or idle), else None."""
         pages = []
         for key in keys:
-            b = self._block_of.get(key)
-            if b is None:
+            page = self._block_of.get(key)
+            if page is None:
                 return None
-            pages.append(b)
+            pages.append(page)
         return pages
 
     def pin(self, pages: Sequence[int]) -> None:
         """Take a reference on cached pages for one step (a copy reads them): they cannot be evicted."""
-        for b in pages:
-            if self._ref[b] == 0:
-                del self._idle[self._key_of[b]]
-            self._ref[b] += 1
+        for page in pages:
+            if self._ref[page] == 0:
+                del self._idle[self._key_of[page]]
+            self._ref[page] += 1
 
     def spare(self, n: int) -> list[int] | None:
         """`n` pages from the free list or the oldest idle ones, or None when there are not that many:
@@ -101,18 +101,18 @@ class BlockLedger:
     def settle(self, pages: Sequence[int], keys: Sequence[bytes] | None) -> None:
         """Drop one step's reference on `pages`; with `keys`, register them first (their KV is written)."""
         if keys is not None:
-            for b, key in zip(pages, keys, strict=True):
-                self.register(b, key)  # False: another copy is cached already, this one is freed
+            for page, key in zip(pages, keys, strict=True):
+                self.register(page, key)  # False: another copy is cached already, this one is freed
         self.release(list(pages))
 
     def hold(self, table: list[int], keys: Sequence[bytes]) -> None:
         """Append the cached blocks of `keys` (all present: `hits`) to `table`, taking a reference."""
         for key in keys:
-            b = self._block_of[key]
-            if self._ref[b] == 0:
+            page = self._block_of[key]
+            if self._ref[page] == 0:
                 del self._idle[key]
-            self._ref[b] += 1
-            table.append(b)
+            self._ref[page] += 1
+            table.append(page)
 
     def grow(self, table: list[int], tokens: int) -> None:
         """Give `table` blocks for `tokens` tokens. Running out is a batcher bug, never expected."""
@@ -127,16 +127,16 @@ class BlockLedger:
 
     def _take(self) -> int:
         if self._free:
-            b = self._free.pop()
+            page = self._free.pop()
         elif self._idle:
             key, _ = self._idle.popitem(last=False)
-            b = self._block_of.pop(key)
-            del self._key_of[b]
+            page = self._block_of.pop(key)
+            del self._key_of[page]
             self.evictions += 1
         else:
             raise RuntimeError(f"KV pool overflow: every one of {self.num_blocks} blocks is held")
-        self._ref[b] = 1
-        return b
+        self._ref[page] = 1
+        return page
 
     def register(self, block: int, key: bytes) -> bool:
         """Make a block that holds the KV of `key` findable; False when caching is off or another
@@ -150,12 +150,12 @@ class BlockLedger:
     def release(self, table: list[int]) -> None:
         """Drop `table`'s references (a block table, or a ring). Its last blocks are released first, so
         they are evicted first: a prefix's first blocks are the most shared and stay cached longest."""
-        for b in reversed(table):
-            self._ref[b] -= 1
-            if self._ref[b] == 0:
-                key = self._key_of.get(b)
+        for page in reversed(table):
+            self._ref[page] -= 1
+            if self._ref[page] == 0:
+                key = self._key_of.get(page)
                 if key is None:
-                    self._free.append(b)
+                    self._free.append(page)
                 else:
                     self._idle[key] = None
         table.clear()
@@ -164,16 +164,16 @@ class BlockLedger:
         """Evict every idle cached block (a benchmark's cold start); returns how many there were."""
         n = len(self._idle)
         for key in self._idle:
-            b = self._block_of.pop(key)
-            del self._key_of[b]
-            self._free.append(b)
+            page = self._block_of.pop(key)
+            del self._key_of[page]
+            self._free.append(page)
         self._idle.clear()
         return n
 
     def forget(self, blocks: Sequence[int]) -> None:
         """Unregister `blocks` (their KV was never written: a failed step); they stay held until released."""
-        for b in blocks:
-            key = self._key_of.pop(b, None)
+        for page in blocks:
+            key = self._key_of.pop(page, None)
             if key is not None:
                 del self._block_of[key]
 
@@ -182,11 +182,13 @@ class BlockLedger:
         held blocks partition the pool."""
         counts = [0] * self.num_blocks
         for t in tables:
-            for b in t:
-                counts[b] += 1
+            for page in t:
+                counts[page] += 1
         assert counts == self._ref, "block reference counts disagree with the block tables"
         idle = {self._block_of[k] for k in self._idle}
-        assert all(self._ref[b] == 0 for b in idle), "an idle block is held"
-        assert all(self._ref[b] == 0 and b not in self._key_of for b in self._free), "a free block is held or keyed"
+        assert all(self._ref[page] == 0 for page in idle), "an idle block is held"
+        assert all(self._ref[page] == 0 and page not in self._key_of for page in self._free), (
+            "a free block is held or keyed"
+        )
         held = sum(1 for r in self._ref if r)
         assert held + len(idle) + len(self._free) == self.num_blocks, "blocks lost or counted twice"

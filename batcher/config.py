@@ -43,7 +43,7 @@ class BatcherConfig:
         past its allowance and lets it ease back as requests finish.
     priority_headroom: share of max_batch_weight that requests of a class below `headroom_priority` may
         not take while anything runs: room kept for a higher-class request to start at once.
-    prefix_caching: keep the KV blocks of prompts (keyed by their tokens) after their requests finish
+    prefix_cache: keep the KV blocks of prompts (keyed by their tokens) after their requests finish
         and let later requests with the same prefix reuse them (token model; requests carry the keys).
     max_preemptions: a request preempted this many times is readmitted with its worst case reserved
         and is not preempted again while others can be.
@@ -79,7 +79,7 @@ class BatcherConfig:
     predictive_min_samples: int = 32
     predictive_window: int = 4096
     max_preemptions: int = 2
-    prefix_caching: bool = False
+    prefix_cache: bool = False
     priority_headroom: float = PRIORITY_HEADROOM
     headroom_priority: int = DEFAULT_PRIORITY
     kinds: tuple[tuple[int, int], ...] = ((1, 0),)
@@ -126,8 +126,8 @@ class BatcherConfig:
             raise ConfigError(f"windows must give one window (>= 1 token) per window kind (got {cfg.windows})")
         if cfg.weight_model != "token" and cfg.kinds != ((1, 0),):
             raise ConfigError("kinds (attention kinds) apply to the token weight model only")
-        if cfg.prefix_caching and cfg.kinds[0][1] != 0:
-            cfg = replace(cfg, prefix_caching=False)  # no full layer: no block outlives a window to be reused
+        if cfg.prefix_cache and cfg.kinds[0][1] != 0:
+            cfg = replace(cfg, prefix_cache=False)  # no full layer: no block outlives a window to be reused
         if cfg.weight_model == "token":
             from .weight import TokenWeight
 

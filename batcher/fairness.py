@@ -25,27 +25,27 @@ class TenantShares:
     """Each tenant's counter and how many of its requests the batcher holds (waiting or running)."""
 
     def __init__(self) -> None:
-        self.counter: dict[str, float] = {}
-        self.held: dict[str, int] = defaultdict(int)  # requests held per tenant (waiting + running)
-        self.weight: dict[str, int] = defaultdict(int)  # running requests' reserved weight per tenant
+        self.counter: dict[str, float] = {}  # service received, in weight x steps
+        self.requests: dict[str, int] = defaultdict(int)  # requests held per tenant (waiting + running)
+        self.reserved: dict[str, int] = defaultdict(int)  # running requests' reserved weight per tenant
 
     @property
     def contended(self) -> bool:
         """More than one tenant holds requests: order and charges matter."""
-        return len(self.held) > 1
+        return len(self.requests) > 1
 
     def arrive(self, tenant: str) -> None:
         """A request of `tenant` is submitted; a tenant back from idle starts at the active minimum."""
-        if tenant not in self.held:
-            floor = min((self.counter.get(t, 0.0) for t in self.held), default=0.0)
+        if tenant not in self.requests:
+            floor = min((self.counter.get(t, 0.0) for t in self.requests), default=0.0)
             self.counter[tenant] = max(self.counter.get(tenant, 0.0), floor)
-        self.held[tenant] += 1
+        self.requests[tenant] += 1
 
     def leave(self, tenant: str) -> None:
         """A request of `tenant` finished or was cancelled."""
-        self.held[tenant] -= 1
-        if not self.held[tenant]:
-            del self.held[tenant]
+        self.requests[tenant] -= 1
+        if not self.requests[tenant]:
+            del self.requests[tenant]
 
     def charge(self, running: Iterable[Request], weight_of: Callable[[Request], int]) -> None:
         """One step of service: each running request's tenant pays the weight it holds."""

@@ -70,12 +70,12 @@ class Urgency:
     light_waiting: int = 0  # urgent requests of the other tenants waiting
 
 
-def urgency(b: Batcher) -> Urgency:
+def urgency(batcher: Batcher) -> Urgency:
     """Safe to call from another thread: it copies the containers, never iterates them."""
-    floor = b.config.headroom_priority
-    waiting, running = list(b.waiting), tuple(b.running.values())
-    weights, tenants = dict(b.tenants.weight), len(b.tenants.held)
-    share = b.budget / (tenants + 1)
+    floor = batcher.config.headroom_priority
+    waiting, running = list(batcher.waiting), tuple(batcher.running.values())
+    weights, tenants = dict(batcher.tenants.reserved), len(batcher.tenants.requests)
+    share = batcher.budget / (tenants + 1)
     heavy = tuple(t for t, w in weights.items() if w and w >= share)
     urgent = [r for r in waiting if r.priority >= floor]
     return Urgency(

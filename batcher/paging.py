@@ -5,21 +5,26 @@ the copies of their window blocks that make a hit past a window possible.
 Blocks are handed out for a step's tokens before the step runs; a prompt's full blocks are keyed the
 moment they are handed out (a request admitted later in the same step finds them, and reads their KV
 after this step's writes: attention writes a layer's K/V first). A cached block counts once for as
-long as its last holder runs (prefix.py: SharedBlocks); idle cached blocks never count.
+long as its last holder runs (SharedBlocks); idle cached blocks never count.
+
+Paging owns the pages and the cached blocks' holders; it never reaches the projection or the running
+set. What changes the weight comes back as values the Batcher applies: the blocks a prompt turned into
+cached ones, and the holders whose charge of cached blocks changed. `finish_of` (each holder's
+projected finish) is read, never changed.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Set
 
 from .blocks import BlockLedger
 from .plan import StepPlan
 from .prefix import SharedBlocks
-from .projection import Entry
 from .request import Request
+from .weight import PaddedWeight, TokenWeight
 
-if TYPE_CHECKING:
-    from .batcher import Batcher
+FinishOf = Callable[[str], int]
+NONE_CACHED: tuple[int, frozenset[str]] = (0, frozenset())  # allocate()'s usual answer, not rebuilt per call
 
 
 def snap_key(key: bytes, kind: int, column: int) -> bytes:
@@ -28,35 +33,44 @@ def snap_key(key: bytes, kind: int, column: int) -> bytes:
 
 
 class Paging:
-    def __init__(self, batcher: Batcher) -> None:
-        cfg = batcher.config
-        self.b = batcher
-        self.weight = batcher.weight
-        self.ledger = (
-            BlockLedger(batcher.budget // cfg.block_size, cfg.block_size, caching=cfg.prefix_caching)
-            if cfg.weight_model == "token"
-            else None
-        )
+    def __init__(
+        self, weight: TokenWeight | PaddedWeight, pages: int | None, prefix_cache: bool, windows: tuple[int, ...]
+    ) -> None:
+        """`pages`: the ledger's pages (the budget in blocks) for the token weight; None or the padded
+        weight: no ledger."""
+        self.weight = weight
+        keep = pages is not None and weight.name == "token"
+        self.ledger = BlockLedger(pages, weight.block_size, caching=prefix_cache) if keep else None
         self.shared = SharedBlocks()
-        self.windows_len = tuple(cfg.windows)  # each window kind's window, in tokens
-        self.pinned = 0  # pages pinned this step for a hit's copies (held until the step runs)
+        self.windows_len = windows  # each window kind's window, in tokens
+        self.pinned_pages = 0  # pinned this step for a hit's copies (held until the step runs)
+
+    @property
+    def shared_weight(self) -> int:
+        """The weight of the cached blocks running requests hold (each counted once)."""
+        return self.shared.held_blocks * self.weight.block_size
+
+    def charged(self, request_id: str) -> int:
+        """The cached blocks charged to a holder (it outlives their other holders)."""
+        return self.shared.anchored.get(request_id, 0)
 
     # ----- growth ------------------------------------------------------------------------------------
-    def allocate(self, req: Request, tokens: int) -> None:
-        """Blocks for a prompt chunk that ends at `tokens`; the prompt blocks it fills join the prefix cache."""
+    def allocate(self, req: Request, tokens: int, finish_of: FinishOf) -> tuple[int, Set[str]]:
+        """Blocks for a prompt chunk that ends at `tokens`; the prompt blocks it fills join the prefix
+        cache. Returns how many of its own blocks became cached blocks it holds (no longer its own
+        weight: charged once to their anchor) and the holders whose charge changed."""
         ledger = self.ledger
         if ledger is None:
-            return
+            return NONE_CACHED
         self.grow(req, tokens)
         full = min(len(req.prefix), tokens // ledger.block_size)
-        first = i = req.shared
+        first = i = req.shared_blocks
         while i < full and ledger.register(req.block_table[i], req.prefix[i]):
             i += 1
-        if i > first:  # its own blocks become cached blocks it holds (and is charged for while it lives)
-            self.b.projector.committed -= (i - first) * ledger.block_size
-            req.shared = i
-            self.sync_shared(self.shared.join(req.id, req.prefix[first:i], self.b.projector.finish_of))
-            self.b.running_changed()
+        if i == first:
+            return NONE_CACHED
+        req.shared_blocks = i
+        return i - first, self.shared.join(req.id, req.prefix[first:i], finish_of)
 
     def grow(self, req: Request, tokens: int) -> None:
         """Pages for `tokens` tokens of `req`: its full kind's blocks and its rings' units."""
@@ -71,31 +85,32 @@ class Paging:
                 if len(ring) < units * pages:
                     ledger.grow_ring(ring, tokens, pages, units)  # type: ignore[union-attr]
 
-    def hold(self, req: Request) -> None:
-        """An admitted request takes the cached blocks its hit found (charged once, to their anchor)."""
-        keys = req.prefix[: req.shared]
+    def hold(self, req: Request, finish_of: FinishOf) -> set[str]:
+        """An admitted request takes the cached blocks its hit found (charged once, to their anchor);
+        returns the holders whose charge changed."""
+        keys = req.prefix[: req.shared_blocks]
         self.ledger.hold(req.block_table, keys)  # type: ignore[union-attr]
-        self.sync_shared(self.shared.join(req.id, keys, self.b.projector.finish_of))
+        return self.shared.join(req.id, keys, finish_of)
 
-    def leave(self, req: Request) -> None:
-        """A request leaves: its cached blocks go to their next holder, its pages back to the ledger."""
-        if req.shared:
-            changed, _freed = self.shared.leave(req.id, self.b.projector.finish_of)
-            self.b.projector.change(self.b.projector.shared_entries, req.id, None)
-            self.sync_shared(changed)
+    def leave(self, req: Request, finish_of: FinishOf) -> set[str]:
+        """A request leaves: its cached blocks go to their next holder, its pages back to the ledger.
+        Returns the other holders whose charge changed."""
+        changed: set[str] = set()
+        if req.shared_blocks:
+            changed, _freed = self.shared.leave(req.id, finish_of)
         if self.ledger is not None:
             self.ledger.release(req.block_table)
             for ring in req.rings:
                 self.ledger.release(ring)
-        req.shared = 0
+        req.shared_blocks = 0
+        return changed
 
-    def sync_shared(self, request_ids: set[str]) -> None:
-        """The cached blocks charged to these holders changed: so do their constant entries."""
-        b, proj = self.weight.block_size, self.b.projector
-        for rid in request_ids:
-            n = self.shared.anchored.get(rid, 0)
-            # extra = -final: the cached blocks are full-kind blocks, no window kind holds them
-            proj.change(proj.shared_entries, rid, Entry(proj.finish_of(rid), 0, n * b, False, 0, -n * b) if n else None)
+    def refinish(self, request_id: str, old: int, finish_of: FinishOf) -> set[str]:
+        """A holder's projected finish moved from `old`: it takes the blocks it now outlives others on,
+        or gives up those another outlives it on. Returns the holders whose charge changed."""
+        if request_id not in self.shared.keys:
+            return set()
+        return self.shared.refinish(request_id, old, finish_of) | {request_id}
 
     # ----- the prefix cache --------------------------------------------------------------------------
     def lookup(self, req: Request) -> int:
@@ -110,7 +125,7 @@ class Paging:
         hits = ledger.hits(req.prefix, (req.context_len - 1) // ledger.block_size)
         if hits and self.weight.windows:
             hits = self._window_hits(req, hits)
-        req.shared, req.prefilled = hits, hits * ledger.block_size
+        req.shared_blocks, req.prefilled = hits, hits * ledger.block_size
         return hits
 
     def _window_hits(self, req: Request, hits: int) -> int:
@@ -130,24 +145,24 @@ class Paging:
                     continue
                 break
             else:
-                req.fill = fill
+                req.ring_copies = fill
                 for _w, _j, found in fill:
                     ledger.pin(found)
-                self.pinned += sum(len(f) for _w, _j, f in fill)
+                self.pinned_pages += sum(len(f) for _w, _j, f in fill)
                 return h
         return 0
 
     def unlookup(self, req: Request) -> None:
         """A candidate was not admitted: forget its hit and unpin what it would have copied."""
-        req.shared = req.prefilled = 0
-        if req.fill:
+        req.shared_blocks = req.prefilled = 0
+        if req.ring_copies:
             self._unpin(req)
 
     def _unpin(self, req: Request) -> None:
-        for _w, _j, found in req.fill:
+        for _w, _j, found in req.ring_copies:
             self.ledger.settle(found, None)  # type: ignore[union-attr]
-            self.pinned -= len(found)
-        req.fill = []
+            self.pinned_pages -= len(found)
+        req.ring_copies = []
 
     def take_snapshots(self, plan: StepPlan) -> None:
         """Spare pages for copies of the window blocks this step's prompt chunks complete (registered
@@ -164,45 +179,33 @@ class Paging:
                     spare = ledger.spare(pages)
                     if spare is None:
                         return
-                    req.snaps.append((w, j, spare))
+                    req.window_snapshots.append((w, j, spare))
 
-    def settle(self, plan: StepPlan) -> None:
-        """After the step: cache the window copies its chunks wrote, unpin what its hits copied."""
+    def settle(self, plan: StepPlan, alive: Callable[[Request], bool]) -> None:
+        """After the step: cache the window copies its chunks wrote (those of requests still `alive`),
+        unpin what its hits copied."""
         ledger = self.ledger
         for req, _n in plan.prefill:
-            alive = self.b.running.get(req.id) is req
-            for w, j, spare in req.snaps:
-                keys = [snap_key(req.prefix[j], w, g) for g in range(len(spare))] if alive else None
+            kept = alive(req)
+            for w, j, spare in req.window_snapshots:
+                keys = [snap_key(req.prefix[j], w, g) for g in range(len(spare))] if kept else None
                 ledger.settle(spare, keys)  # type: ignore[union-attr]
-            req.snaps = []
-            if req.fill:
+            req.window_snapshots = []
+            if req.ring_copies:
                 self._unpin(req)
 
-    def fits_sharing(self, req: Request, chunk: int, ahead: int, budget: int) -> tuple[bool, bool]:
-        """Admission of a request that would hold cached blocks: exact, counting each block once.
-        Returns (admitted, by the naive sum alone)."""
-        b, proj = self.weight.block_size, self.b.projector
-        entry = proj.entry(req, chunk, ahead)
-        new, extended = self.shared.plan(req.prefix[: req.shared], entry.finish, proj.finish_of)
-        if proj.committed + (self.shared.held + new) * b + proj.own_final(req) <= budget:
-            return True, True
-        return proj.profile().admits_sharing(entry, new, extended, budget), False
-
-    def check(self) -> None:
+    def check(self, running: list[Request], batch_weight: int, finish_of: FinishOf) -> None:
         """Invariants (tests): the ledger agrees with the block tables, each cached block held is
         charged once to its longest-lived holder, and the blocks held stay within the weight."""
         if self.ledger is None:
             return
-        proj = self.b.projector
-        proj.profile()
-        running = list(self.b.running.values())
         self.ledger.check([r.block_table for r in running] + [ring for r in running for ring in r.rings])
-        self.shared.check(proj.finish_of)
-        b = self.ledger.block_size
-        assert self.ledger.used * b <= self.b.batch_weight(), "blocks held beyond the batch weight"
+        self.shared.check(finish_of)
+        bs = self.ledger.block_size
+        assert self.ledger.used * bs <= batch_weight, "blocks held beyond the batch weight"
         for r in running:
             if self.weight.full_pages:
-                assert len(r.block_table) * b >= r.prefilled, f"{r.id}: KV beyond its blocks"
+                assert len(r.block_table) * bs >= r.prefilled, f"{r.id}: KV beyond its blocks"
             for ring, (pages, units) in zip(r.rings, self.weight.windows, strict=True):
-                assert len(ring) == min(-(-r.prefilled // b), units) * pages, f"{r.id}: ring of the wrong size"
-            assert len(self.shared.keys.get(r.id, ())) == r.shared, f"{r.id}: cached blocks miscounted"
+                assert len(ring) == min(-(-r.prefilled // bs), units) * pages, f"{r.id}: ring of the wrong size"
+            assert len(self.shared.keys.get(r.id, ())) == r.shared_blocks, f"{r.id}: cached blocks miscounted"

@@ -1,4 +1,5 @@
-"""What one step runs (StepPlan) and the batcher's counters (BatcherStats)."""
+"""What one step runs (StepPlan), the prompt work planned so far (PrefillLoad) and the batcher's
+counters (BatcherStats)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,15 @@ class StepPlan:
 
     def __bool__(self) -> bool:
         return bool(self.prefill or self.decode)
+
+
+@dataclass(slots=True)
+class PrefillLoad:
+    """The prompt chunks planned so far this step, which the prefill cap is checked against."""
+
+    chunks: int = 0
+    longest_tokens: int = 0
+    tokens: int = 0
 
 
 @dataclass(slots=True)

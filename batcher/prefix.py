@@ -23,7 +23,7 @@ class SharedBlocks:
         self.anchored: dict[str, int] = {}  # how many held blocks each holder is charged with
 
     @property
-    def held(self) -> int:
+    def held_blocks(self) -> int:
         """Distinct cached blocks held by running requests."""
         return len(self._holders)
 

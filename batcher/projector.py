@@ -1,90 +1,96 @@
-"""The running set's projection: each running request's entry, the profile built from them, and the
-sum of their reserved weights (the naive test).
+"""The running set's projection: each running request's entry and the profile built from them.
 
-Entries are in absolute steps (batcher/projection/), so a decoding request's entry never changes until it
-leaves or its reservation does; entries of requests still prefilling depend on the chunks ahead of
+The Projector knows entries, not the running set: the Batcher tells it who starts, stops and moves,
+and applies what it returns (a request's own weight, the finishes that moved). Entries are in absolute
+steps (batcher/projection/), so a decoding request's entry never changes until it leaves or its
+reservation does; entries of requests still prefilling depend on the chunks ahead of
 them and are recomputed before the first decision after any change. Changes reach the profile in
 place when it is next used (after more than REBUILD_AFTER of them, it is rebuilt instead).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .projection import Entry, PaddedProfile, TokenProfile
 from .request import Request
-
-if TYPE_CHECKING:
-    from .batcher import Batcher
+from .weight import PaddedWeight, TokenWeight
 
 
 class Projector:
     REBUILD_AFTER = 32  # more entry changes than this before a decision: rebuild the profile instead
 
-    def __init__(self, batcher: Batcher) -> None:
-        self.b = batcher
-        self.weight = batcher.weight
+    def __init__(self, weight: TokenWeight | PaddedWeight, max_prefill_weight: int) -> None:
+        self.weight = weight
+        self.max_prefill_weight = max_prefill_weight
         self.profile_: TokenProfile | PaddedProfile = self.weight.profile([])
         self.entries: dict[str, Entry] = {}  # each running request's entry, as the profile has it or will
         self.shared_entries: dict[str, Entry] = {}  # each anchor's entry for the cached blocks charged to it
         self.changes: list[tuple[Entry, int]] | None = []  # to add (1) or remove (-1); None: rebuild
         self.prefilling: dict[str, Request] = {}  # running requests not decoding yet, in admission order
         self.stale = False  # the prefilling requests' entries must be recomputed before the next decision
-        self.committed = 0  # sum of running requests' reserved final weights (token model)
         self.typical = 0  # moving average of admitted requests' reserved weight
 
     def own_final(self, req: Request) -> int:
         """The weight a request reserves for itself: its final length less the cached blocks it holds."""
-        return self.weight.own(req.reserved_total, req.shared)
+        return self.weight.own(req.reserved_total, req.shared_blocks)
 
     def finish_of(self, request_id: str) -> int:
         return self.entries[request_id].finish
 
-    def entry(self, req: Request, chunk: int, ahead: int) -> Entry:
-        """Projection entry for `req`, which feeds `chunk` tokens this step with `ahead` prompt
+    def entry(self, req: Request, chunk: int, ahead: int, step: int) -> Entry:
+        """Projection entry for `req`, which feeds `chunk` tokens at `step` with `ahead` prompt
         tokens of earlier requests still to prefill after this step."""
-        step = self.b.step
         remaining = req.reserved_new - req.generated
         rest = req.prefill_left - chunk
-        shared = req.shared * self.weight.block_size  # cached blocks are charged apart (prefix.py)
+        shared = req.shared_blocks * self.weight.block_size  # cached blocks are charged apart (SharedBlocks)
         offset, final = req.context_len - step - shared, req.reserved_total - shared
         if rest <= 0:
             return Entry(step + remaining, offset, final, True, req.fixed_len, shared)
-        cap = self.b.config.max_prefill_weight
+        cap = self.max_prefill_weight
         delay = -(-(ahead + rest) // cap)  # FIFO: every later step gives earlier prompts the full cap
         return Entry(step + delay + remaining, offset, final, False, req.fixed_len, shared)
 
-    def decoding_entry(self, req: Request) -> Entry:
+    def decoding_entry(self, req: Request, step: int) -> Entry:
         """A decoding request's entry: the same at every step (absolute steps) until its reservation changes."""
-        shared = req.shared * self.weight.block_size
+        shared = req.shared_blocks * self.weight.block_size
         inp = req.input_len - shared
-        gen, res, step = req.generated, req.reserved_new, self.b.step
+        gen, res = req.generated, req.reserved_new
         return Entry(step + res - gen, inp + gen - step, inp + res, True, req.fixed_len, shared)
 
-    def start(self, req: Request, chunk: int, ahead: int) -> int:
-        """A request is admitted: its reservation and entry are counted; returns its own weight."""
+    def start(self, req: Request, chunk: int, ahead: int, step: int) -> int:
+        """A request is admitted: its entry is counted (its cached blocks' charge needs its finish);
+        returns its own reserved weight."""
         w = self.own_final(req)
-        self.committed += w
-        self.set_entry(req.id, self.entry(req, chunk, ahead))  # its cached blocks' charge needs its finish
+        self.set_entry(req.id, self.entry(req, chunk, ahead, step))
         self.typical = w if not self.typical else (7 * self.typical + w) // 8
         self.prefilling[req.id] = req
         return w
 
     def stop(self, req: Request) -> int:
         """A request leaves the running set; returns the weight it had reserved."""
-        own = self.own_final(req)
-        self.committed -= own
         self.prefilling.pop(req.id, None)
         self.set_entry(req.id, None)
-        return own
+        self.set_shared(req.id, 0)
+        return self.own_final(req)
 
-    def set_entry(self, request_id: str, entry: Entry | None) -> None:
-        """Record a running request's entry (None: it left); the profile takes the change in when next used.
-        A holder of cached blocks whose finish moves takes or gives up the blocks it outlives or no longer does."""
+    def decodes(self, req: Request, step: int) -> int | None:
+        """`req`'s prompt is all fed: its entry tightens to a decoding one. Returns its old finish if it moved."""
+        del self.prefilling[req.id]
+        return self.set_entry(req.id, self.decoding_entry(req, step))
+
+    def set_entry(self, request_id: str, entry: Entry | None) -> int | None:
+        """Record a running request's entry (None: it left); the profile takes the change in when next
+        used. Returns the old finish when the entry moved it (its cached blocks' anchors may change)."""
         old = self.change(self.entries, request_id, entry)
-        shared = self.b.paging.shared
-        if old is not None and entry is not None and old.finish != entry.finish and request_id in shared.keys:
-            self.b.paging.sync_shared(shared.refinish(request_id, old.finish, self.finish_of) | {request_id})
+        if old is not None and entry is not None and old.finish != entry.finish:
+            return old.finish
+        return None
+
+    def set_shared(self, request_id: str, blocks: int) -> None:
+        """The cached blocks charged to a holder (SharedBlocks' anchors): a constant entry at its finish,
+        with extra = -final (they are full-kind blocks: no window kind holds them)."""
+        n = blocks * self.weight.block_size
+        entry = Entry(self.finish_of(request_id), 0, n, False, 0, -n) if blocks else None
+        self.change(self.shared_entries, request_id, entry)
 
     def change(self, entries: dict[str, Entry], key: str, entry: Entry | None) -> Entry | None:
         old = entries.pop(key, None)
@@ -101,24 +107,28 @@ class Projector:
             self.changes = None  # one rebuild is cheaper than applying this many
         return old
 
-    def refresh_prefilling(self) -> None:
-        """Entries of requests still prefilling, from this step's chunks (assigned as in running work)."""
-        cap = self.b.config.max_prefill_weight
+    def refresh_prefilling(self, step: int) -> list[tuple[str, int]]:
+        """Entries of requests still prefilling, from this step's chunks (assigned as in running work).
+        Returns (request id, old finish) for each whose finish moved."""
+        cap = self.max_prefill_weight
         left, ahead = cap, 0
+        moved = []
         for req in self.prefilling.values():
             chunk = req.prefill_left
             if cap:
                 chunk = min(chunk, left)
                 left -= chunk
-            self.set_entry(req.id, self.entry(req, chunk, ahead))
+            old = self.set_entry(req.id, self.entry(req, chunk, ahead, step))
+            if old is not None:
+                moved.append((req.id, old))
             ahead += req.prefill_left - chunk
         self.stale = False
+        return moved
 
     def profile(self) -> TokenProfile | PaddedProfile:
-        """The running set's profile, brought up to date: each entry change since the last use is applied
-        in place (O(running) each), or, after many of them, the profile is rebuilt."""
-        if self.stale:
-            self.refresh_prefilling()
+        """The running set's profile, each entry change since the last use applied in place (O(running)
+        each), or, after many of them, rebuilt. Stale prefilling entries are the Batcher's to refresh first."""
+        assert not self.stale, "refresh_prefilling() first"
         if self.changes is None:
             self.profile_ = self.weight.profile([*self.entries.values(), *self.shared_entries.values()])
             self.changes = []
@@ -132,28 +142,5 @@ class Projector:
 
     def without(self, ids: set[str]) -> TokenProfile | PaddedProfile:
         """A fresh profile of the running set less `ids` (what preempting them would leave)."""
-        self.profile()  # entries brought up to date
         kept = [e for rid, e in self.entries.items() if rid not in ids]
         return self.weight.profile([*kept, *self.shared_entries.values()])
-
-    def weight_with(self, more: int) -> int:
-        """The running requests' weight with `more` tokens each (1: after the next step, if every one
-        emits; a prefilling one emits with its last chunk: conservative by at most a block)."""
-        running, w = self.b.running.values(), self.weight
-        held = self.b.paging.shared.held * w.block_size
-        if w.name == "token" and not w.uniform:
-            return sum(w.own(r.context_len + more, r.shared) for r in running) + held
-        b = w.block_size
-        own = [r.context_len + more - r.shared * b for r in running]
-        return w.batch(own, [r.fixed_len for r in running]) + held
-
-    def room_for(self) -> int:
-        """How many more requests of the typical size (recent admissions' reserved weight) would fit
-        by the naive sum after everything already waiting (at its worst case) is admitted: what a
-        worker may take from a shared queue without hoarding. Waiting work counts, not blocks:
-        requests held back only by the prefill cap start within a few steps."""
-        w, b = self.weight, self.b
-        typical = self.typical or w.seq(b.config.max_total_tokens)
-        pending = sum(w.seq(r.max_total) for r in b.waiting)
-        held = b.paging.shared.held * w.block_size
-        return max(0, (b.budget - self.committed - held - pending) // typical)

@@ -54,10 +54,10 @@ class TokenWeight:
         return self.pages(tokens, shared) * self.block_size
 
     def batch(self, lengths: Sequence[int], fixed: Sequence[int] = ()) -> int:
-        b = self.block_size
+        bs = self.block_size
         if self.uniform:
-            return sum(-(-n // b) for n in lengths) * b
-        return sum(self.pages(n) for n in lengths) * b
+            return sum(-(-n // bs) for n in lengths) * bs
+        return sum(self.pages(n) for n in lengths) * bs
 
     def prefill(self, count: int, longest: int, total: int) -> int:
         """Prefill weight of `count` prompt chunks: the tokens actually computed."""

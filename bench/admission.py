@@ -25,6 +25,8 @@ import statistics
 import time
 
 from weightq.batcher import Batcher, BatcherConfig, Request
+from weightq.batcher.admission import naive_fits
+from weightq.batcher.request import DECODING, PREFILLING
 
 RUNNING, WAITING = 256, 1024
 
@@ -56,7 +58,7 @@ def build(
         b.complete(plan)
     for _ in range(rng.randint(50, 100)):  # spread the running requests' progress
         b.complete(b.schedule(0.0))
-    b.budget = b.admission.budget = b.projected_peak() + 100  # a full batch: only small requests could still join
+    b.budget = b.projected_peak() + 100  # a full batch: only small requests could still join
     for i in range(running * WAITING // RUNNING):  # candidates that cannot fit: admission scans and refuses them
         b.submit(Request(f"wait{i}", 2000, 48, arrival_s=1.0))
     return b, rng
@@ -72,14 +74,20 @@ def median_us(fn, repeats: int) -> float:
 
 
 def put_back(b: Batcher, req: Request) -> None:
-    """Admit a request that just finished again, decoding where it was: what admission and its first
-    step would do, so that the running set keeps its size and shape."""
-    b.order[req.id] = (-req.priority, req.arrival_s, 0)
+    """Admit a request that just finished again, decoding where it was: the weight accounting of
+    Batcher.start and its first step (its pages left out, as before), so that the running set keeps
+    its size and shape."""
+    b.queue.keys[req.id] = (-req.priority, req.arrival_s, 0)
     req.prefilled = 0
-    b.start(req, req.context_len, 0)
-    req.prefilled, req.decoding = req.context_len, True
-    del b.projector.prefilling[req.id]
-    b.projector.set_entry(req.id, b.projector.decoding_entry(req))
+    req.admitted_step, req.status = b.step, PREFILLING
+    b.running[req.id] = req
+    own = b.projector.start(req, req.context_len, 0, b.step)
+    b.committed += own
+    b.tenants.reserved[req.tenant] += own
+    b.reservations.track(req)
+    b.running_changed()
+    req.prefilled, req.status = req.context_len, DECODING
+    b.projector.decodes(req, b.step)
 
 
 def after_change(b: Batcher, rng: random.Random, candidate: Request, repeats: int) -> float:
@@ -92,9 +100,9 @@ def after_change(b: Batcher, rng: random.Random, candidate: Request, repeats: in
             put_back(b, gone.pop())
         else:
             gone.append(b.finish(rng.choice(ids)))
-        b.fits(candidate)
+        b.fits(candidate, limit=b.budget)
 
-    b.fits(candidate)
+    b.fits(candidate, limit=b.budget)
     return median_us(change_then_decide, 2 * repeats)
 
 
@@ -102,15 +110,15 @@ def measure(block_size: int, repeats: int, running: int = RUNNING, kinds: tuple 
     b, rng = build(block_size, running, kinds=kinds)
     small = Request("small", 8, 8)
     small.reserved_new = 8
-    committed = b.projector.committed
-    b.projector.committed = 0  # pretend the batch is nearly empty: the naive sum fits
-    fast = median_us(lambda: b.fits(small), repeats)
-    b.projector.committed = committed
-    assert not b.admission.naive_fits(small.reserved_total)
+    committed = b.committed
+    b.committed = 0  # pretend the batch is nearly empty: the naive sum fits
+    fast = median_us(lambda: b.fits(small, limit=b.budget), repeats)
+    b.committed = committed
+    assert not naive_fits(b, small.reserved_total, 0, b.budget)
     mid = Request("mid", 64, 256)
     mid.reserved_new = 256
     projection = after_change(b, rng, mid, repeats)
-    cached = median_us(lambda: b.fits(mid), repeats)
+    cached = median_us(lambda: b.fits(mid, limit=b.budget), repeats)
     b.schedule(2.0)  # a real pass: nothing fits, marks the batcher idle
     idle = median_us(lambda: b.schedule(2.0), repeats)
 

@@ -53,9 +53,9 @@ def run_weightq(work, budget: int, policy: str = "weighted", warmup: bool = Fals
     mode = "predictive" if policy == "predictive" else "worst_case"
     engine = Engine(EngineConfig(max_batch_weight=budget, max_prefill_weight=2048, mode=mode))
     if policy == "static":
-        from weightq.batcher.sim.policies import StaticBatcher
+        from weightq.batcher.sim.policies import static_batcher
 
-        engine.use_batcher(StaticBatcher(engine.batcher.config, blocks=True))
+        engine.use_batcher(static_batcher(engine.batcher.config, blocks=True))
     engine.generate(requests(work, "warm") if warmup else requests(work[:4], "warm"))
     engine.counters.update(steps=0, forward_s=0.0, step_s=0.0)
     t0 = time.perf_counter()

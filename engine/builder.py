@@ -325,7 +325,7 @@ def make_batcher(
                 mode=("predictive" if cfg.mode == "auto" else cfg.mode) if paged else "worst_case",
                 predictive_margin=cfg.predictive_margin,
                 max_preemptions=cfg.max_preemptions,
-                prefix_caching=paged and cfg.prefix_cache,
+                prefix_cache=paged and cfg.prefix_cache,
                 priority_headroom=cfg.priority_headroom,
                 headroom_priority=DEFAULT_PRIORITY,
                 kinds=layout.weight_kinds() if layout is not None else ((1, 0),),

@@ -98,7 +98,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         jump_window_s=args.jump_window,
         max_wait_s=args.max_wait,
-        prefix_caching=args.prefix_cache,
+        prefix_cache=args.prefix_cache,
         priority_headroom=args.priority_headroom,
         tenant_cap=args.tenant_cap,
     )

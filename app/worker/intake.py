@@ -10,7 +10,7 @@ first come, first served:
 - **Slots held back for the urgent classes**: background jobs (priority < 5) may hold at most
   CONCURRENCY - INTERACTIVE_SLOTS task threads, and the urgent classes are taken even when the
   engine has no room (up to URGENT_LOOKAHEAD waiting in it): the batcher then starts them in the
-  budget's headroom, or preempts background work for them (batcher: `make_room_for_class`). An
+  budget's headroom, or preempts background work for them (batcher: `preemption.for_class`). An
   interactive job never waits for a batch job to finish.
 - **A tenant below its share goes beyond the room too**: the next staged job of a tenant that holds
   less than an equal share of the engine (Urgency.heavy_tenants) is taken when the engine is full, and

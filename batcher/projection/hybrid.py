@@ -26,9 +26,9 @@ class HybridProfile(TokenProfile):
 
     def _at(self, tokens: int, extra: int) -> int:
         """Blocks of a sequence whose full kind holds `tokens` and window kinds `tokens + extra`."""
-        b = self.block
-        n = self._full * -(-tokens // b)
-        w = -(-(tokens + extra) // b)
+        bs = self.block
+        n = self._full * -(-tokens // bs)
+        w = -(-(tokens + extra) // bs)
         for pages, ring in self._windows:
             n += pages * (w if w < ring else ring)
         return n
@@ -63,11 +63,11 @@ class HybridProfile(TokenProfile):
 
     def _series(self, offset: int, extra: int, points: list[int]) -> list[int]:
         """A growing sequence's blocks at each of `points` (the hot loop of updates and decisions)."""
-        b, full = self.block, self._full
-        co, cw = offset + b - 1, offset + extra + b - 1
+        bs, full = self.block, self._full
+        co, cw = offset + bs - 1, offset + extra + bs - 1
         if len(self._windows) == 1:
-            (pages, ring), cap = self._windows[0], self._windows[0][1] * b - cw
-            return [full * ((co + p) // b) + pages * ((cw + p) // b if p < cap else ring) for p in points]
+            (pages, ring), cap = self._windows[0], self._windows[0][1] * bs - cw
+            return [full * ((co + p) // bs) + pages * ((cw + p) // bs if p < cap else ring) for p in points]
         return [self._at(offset + p, extra) for p in points]
 
     def _shift(self, e: Entry, j: int, sign: int) -> None:
@@ -93,10 +93,10 @@ class HybridProfile(TokenProfile):
 
     def _load_blocks(self, step: int) -> int:
         i = bisect_left(self._grow_finish, step)
-        b, full = self.block, self._full
+        bs, full = self.block, self._full
         offsets, extras = self._grow_offset[i:], self._grow_extra[i:]
-        grow = full * sum((o + step + b - 1) // b for o in offsets)
+        grow = full * sum((o + step + bs - 1) // bs for o in offsets)
         for pages, ring in self._windows:
-            cw = step + b - 1
-            grow += pages * sum(min((o + x + cw) // b, ring) for o, x in zip(offsets, extras, strict=True))
+            cw = step + bs - 1
+            grow += pages * sum(min((o + x + cw) // bs, ring) for o, x in zip(offsets, extras, strict=True))
         return grow + sum(self._const_blocks[bisect_left(self._const_finish, step) :])

@@ -46,8 +46,8 @@ class TokenProfile:
         """Walk the points from the last: the alive set at P is every entry finishing at or after P.
         A growing entry holds ceil((q*B + m + P) / B) = q + ceil(P / B) + (1 if m > -P mod B) blocks,
         so the alive set is summed by its quotients, its size and a histogram of its residues m."""
-        b = self.block
-        residues = [0] * b
+        bs = self.block
+        residues = [0] * bs
         quotients = growing = const = 0
         loads: list[int] = []
         i = len(ents) - 1
@@ -56,12 +56,12 @@ class TokenProfile:
                 e = ents[i]
                 i -= 1
                 if e.growing:
-                    q, m = divmod(e.offset, b)
+                    q, m = divmod(e.offset, bs)
                     quotients, growing = quotients + q, growing + 1
                     residues[m] += 1
                 else:
-                    const += -(-e.final // b)
-            loads.append(quotients + growing * -(-p // b) + sum(residues[-p % b + 1 :]) + const)
+                    const += -(-e.final // bs)
+            loads.append(quotients + growing * -(-p // bs) + sum(residues[-p % bs + 1 :]) + const)
         loads.reverse()
         return loads
 
@@ -109,16 +109,16 @@ class TokenProfile:
 
     def _shift(self, e: Entry, j: int, sign: int) -> None:
         """Add (sign 1) or take away (-1) `e`'s blocks at the first j points, all of which it lives through."""
-        blocks, b = self._blocks, self.block
+        blocks, bs = self._blocks, self.block
         if not e.growing:
             w = sign * self._const_of(e)
             blocks[:j] = [x + w for x in blocks[:j]]
             return
-        c = e.offset + b - 1  # blocks held at step p: ceil((offset + p) / b) = (c + p) // b
+        c = e.offset + bs - 1  # blocks held at step p: ceil((offset + p) / bs) = (c + p) // bs
         if sign > 0:
-            blocks[:j] = [x + (c + p) // b for x, p in zip(blocks[:j], self.points[:j], strict=True)]
+            blocks[:j] = [x + (c + p) // bs for x, p in zip(blocks[:j], self.points[:j], strict=True)]
         else:
-            blocks[:j] = [x - (c + p) // b for x, p in zip(blocks[:j], self.points[:j], strict=True)]
+            blocks[:j] = [x - (c + p) // bs for x, p in zip(blocks[:j], self.points[:j], strict=True)]
 
     def _finishes_at(self, step: int) -> bool:
         return any(bisect_right(fin, step) > bisect_left(fin, step) for fin in (self._grow_finish, self._const_finish))
@@ -139,12 +139,12 @@ class TokenProfile:
 
     def _load_blocks(self, step: int) -> int:
         """Blocks held at `step` by the entries still alive then (O(alive), in C)."""
-        b = self.block
+        bs = self.block
         offsets = self._grow_offset[bisect_left(self._grow_finish, step) :]
-        if b == 1:
+        if bs == 1:
             grow = sum(offsets) + len(offsets) * step
         else:
-            grow = sum(map(floordiv, map(add, offsets, repeat(step + b - 1)), repeat(b)))
+            grow = sum(map(floordiv, map(add, offsets, repeat(step + bs - 1)), repeat(bs)))
         return grow + sum(self._const_blocks[bisect_left(self._const_finish, step) :])
 
     def admits(self, c: Entry, budget: int) -> bool:

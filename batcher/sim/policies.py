@@ -7,62 +7,59 @@ optimistic: admits on current usage; preempts the newest (recompute) before a st
 weighted:   exact projection, bounded jumping, prefill cap (the default batcher).
 predictive: reserves an estimated output length; grows reservations, preempting if they cannot grow.
 oracle:     exact projection with every true output length known (an upper bound).
+Each is a strategy (Policy) of the same Batcher and admission walk, which only decides whether a
+candidate fits and whether the newest are preempted before a step.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from ..admission import Projected, naive_fits
 from ..batcher import Batcher
 from ..config import BatcherConfig
-from ..plan import StepPlan
-from ..preemption import preempt
 from ..request import Request
 
 
-class StaticBatcher(Batcher):
-    def __init__(self, config: BatcherConfig, *, blocks: bool = False) -> None:
-        super().__init__(replace(config, jump_window_s=0.0))
-        self.slots = self.budget // self.config.max_total_tokens
-        # It admits by count, not weight: in the simulator nothing bounds its blocks (it counts
-        # overflows). A real engine (`blocks`) needs them allocated: slots x max_total_tokens fit.
-        if not blocks:
-            self.ledger = self.paging.ledger = None
+class Static:
+    """A fixed number of slots, sized for the worst case: it admits by count, not weight."""
 
-    def fits(self, req: Request, chunk: int | None = None, ahead: int = 0) -> bool:
-        return len(self.running) < self.slots
+    name, preempts_to_fit = "static", False
 
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
 
-class TgiBatcher(Batcher):
-    def __init__(self, config: BatcherConfig) -> None:
-        super().__init__(replace(config, jump_window_s=0.0, mode="worst_case"))
-
-    def fits(self, req: Request, chunk: int | None = None, ahead: int = 0) -> bool:
-        return self.admission.naive_fits(req.reserved_total)
+    def fits(self, batcher: Batcher, req: Request, chunk: int, ahead: int, limit: int) -> tuple[bool, bool]:
+        return len(batcher.running) < self.slots, False
 
 
-class OptimisticBatcher(Batcher):
-    """Admits on current usage; before a step whose growth would not fit, preempts the newest (vLLM's
+class NaiveSum:
+    """Upstream TGI's rule: the sum of every final weight within the budget."""
+
+    name, preempts_to_fit = "tgi", False
+
+    def fits(self, batcher: Batcher, req: Request, chunk: int, ahead: int, limit: int) -> tuple[bool, bool]:
+        return naive_fits(batcher, req.reserved_total, 0, limit), False
+
+
+class Optimistic:
+    """Admits on current usage; before a step whose growth would not fit, the newest are preempted (vLLM's
     scheduler: a request whose next token's block cannot be allocated preempts the newest running one).
     Like vLLM it never runs a step over the budget, and pays for it in recomputed tokens."""
 
-    def __init__(self, config: BatcherConfig) -> None:
-        super().__init__(replace(config, jump_window_s=0.0, mode="worst_case"))
+    name, preempts_to_fit = "optimistic", True
 
-    def fits(self, req: Request, chunk: int | None = None, ahead: int = 0) -> bool:
+    def fits(self, batcher: Batcher, req: Request, chunk: int, ahead: int, limit: int) -> tuple[bool, bool]:
         # like vLLM, the running requests' next slots are allocated before a waiting prompt's blocks
-        used = self.weight.batch([r.context_len + 1 for r in self.running.values()] + [req.context_len + 1])
-        return used <= self.budget
+        used = batcher.weight.batch([r.context_len + 1 for r in batcher.running.values()] + [req.context_len + 1])
+        return used <= batcher.budget, False
 
-    def schedule(self, now: float) -> StepPlan:
-        preempted: list[Request] = []
-        while self.running and self.weight_with(1) > self.budget:
-            victim = max(self.running.values(), key=lambda r: self.order[r.id])
-            preempt(self, victim)
-            preempted.append(victim)
-        plan = super().schedule(now)
-        plan.preempted = preempted + plan.preempted
-        return plan
+
+def static_batcher(config: BatcherConfig, *, blocks: bool = False) -> Batcher:
+    """The static policy at `config`'s budget. In the simulator nothing bounds its blocks (it counts
+    overflows); a real engine (`blocks`) needs them allocated: slots x max_total_tokens fit."""
+    cfg = replace(config, jump_window_s=0.0).resolved()
+    return Batcher(cfg, Static(cfg.max_batch_weight // cfg.max_total_tokens), pages=blocks)  # type: ignore[operator]
 
 
 POLICIES = ("static", "tgi", "optimistic", "weighted", "predictive", "oracle")
@@ -71,13 +68,13 @@ POLICIES = ("static", "tgi", "optimistic", "weighted", "predictive", "oracle")
 def make_batcher(policy: str, config: BatcherConfig) -> Batcher:
     """The oracle is the weighted batcher fed max_new_tokens = true length (see simulator)."""
     if policy == "static":
-        return StaticBatcher(config)
+        return static_batcher(config)
     if policy == "tgi":
-        return TgiBatcher(config)
+        return Batcher(replace(config, jump_window_s=0.0, mode="worst_case"), NaiveSum())
     if policy == "optimistic":
-        return OptimisticBatcher(config)
+        return Batcher(replace(config, jump_window_s=0.0, mode="worst_case"), Optimistic())
     if policy in ("weighted", "oracle"):
-        return Batcher(replace(config, mode="worst_case"))
+        return Batcher(replace(config, mode="worst_case"), Projected())
     if policy == "predictive":
-        return Batcher(replace(config, mode="predictive"))
+        return Batcher(replace(config, mode="predictive"), Projected())
     raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")

@@ -207,7 +207,7 @@ def simulate_tenants(
 
 def _prefix_keys(i: int, tr: TraceRequest, config: BatcherConfig) -> tuple[bytes, ...]:
     """Block keys of stand-in token ids: the group's shared prefix, then ids of this request's own."""
-    if not (config.prefix_caching and tr.prefix_group and tr.prefix_len):
+    if not (config.prefix_cache and tr.prefix_group and tr.prefix_len):
         return ()
     group = int.from_bytes(hashlib.blake2b(tr.prefix_group.encode(), digest_size=5).digest(), "little")
     ids = [(group << 20) + k for k in range(tr.prefix_len)]

@@ -217,7 +217,7 @@ class StepOutputs:
             logprobs=tuple(seq.logprobs) if seq.params.logprobs is not None else None,
             prompt_logprobs=tuple(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
             prompt_token_ids=tuple(seq.token_ids[: seq.prompt_len]) if seq.params.prompt_logprobs is not None else None,
-            cached_tokens=seq.sched.cached,
+            cached_tokens=seq.sched.cached_tokens,
         )
 
 

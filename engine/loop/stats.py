@@ -106,7 +106,7 @@ def engine_stats(engine: Engine) -> dict:
         "prefix_cache": bool(b.ledger is not None and b.ledger.caching),
         "prefix_hit_rate": round(st.cached_tokens / st.prompt_tokens, 4) if st.prompt_tokens else 0.0,
         "prefix_cached_tokens": st.cached_tokens,
-        "prefix_shared_blocks": b.paging.shared.held,
+        "prefix_shared_blocks": b.shared_blocks_held,
         "outlook": outlook(b),  # for the web side's projected waits (app/client/backlog.py)
     }
 

@@ -163,7 +163,7 @@ class ModelRunner(PagedMemory):
         windows = self.cache.layout.windows
         for w in prefill:
             sched = w.seq.sched
-            for kind_index, j, pages in sched.fill:
+            for kind_index, j, pages in sched.ring_copies:
                 kind = windows[kind_index]
                 unit = (j % kind.ring) * kind.pages
                 src.extend(pages)

@@ -110,7 +110,7 @@ class MetaBuilder:
         for w, q_start in zip(prefill, q_starts, strict=True):
             ring, s, n = w.seq.sched.rings[ring_index], w.start, w.n
             rows, slots = (early_rows, early) if self.flash else (late_rows, late)
-            for kind_index, j, spare in w.seq.sched.snaps:  # copies kept for the prefix cache
+            for kind_index, j, spare in w.seq.sched.window_snapshots:  # copies kept for the prefix cache
                 if kind_index == ring_index:
                     rows.extend(range(q_start + j * bs - s, q_start + (j + 1) * bs - s))
                     slots.extend([pg * bs + off for pg in spare] for off in range(bs))

@@ -54,11 +54,11 @@ def test_a_finish_updates_the_batchers_profile_without_a_rebuild():
     b.submit(Request("run", 10, 50))
     b.submit(Request("cand", 60, 5))
     b.complete(b.schedule(now=0.0))
-    profile = b.projector.profile()
+    profile = b.profile()
     assert b.projected_peak() == 80  # "cand" finishing at step 5: 15 + 65
     b.finish("cand")  # early (EOS): only "run" is left, at 60 when it finishes
     assert b.projected_peak() == 60
-    assert b.projector.profile() is profile
+    assert b.profile() is profile
 
 
 def test_rejected_candidate_is_admitted_at_the_first_step_it_fits():

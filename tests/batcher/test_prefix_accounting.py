@@ -115,7 +115,7 @@ def test_every_request_reads_its_own_kv(seed, predictive, block):
         max_total_tokens=min(budget, 64 + 2 * block),
         max_prefill_weight=rng.choice([0, 16, 48]),
         block_size=block,
-        prefix_caching=True,
+        prefix_cache=True,
         mode="predictive" if predictive else "worst_case",
         predictive_min_samples=4,
     )
@@ -166,7 +166,7 @@ def test_the_simulator_models_prefix_groups():
         TraceRequest(1200 + rng.randint(16, 64), rng.randint(4, 32), 32, 0.0, f"sys{i % 8}", 1200) for i in range(256)
     ]
     cfg = BatcherConfig(max_batch_weight=32768, max_total_tokens=2048, max_prefill_weight=4096, block_size=16)
-    runs = {on: simulate(trace, "weighted", replace(cfg, prefix_caching=on)) for on in (False, True)}
+    runs = {on: simulate(trace, "weighted", replace(cfg, prefix_cache=on)) for on in (False, True)}
     assert runs[True]["overflow_steps"] == runs[False]["overflow_steps"] == 0
     assert runs[False]["cached_tokens"] == 0
     assert runs[True]["prompt_tokens_computed"] < 0.2 * runs[False]["prompt_tokens_computed"]

@@ -188,7 +188,7 @@ def test_weight_never_exceeds_budget_and_everyone_finishes(work):
     run = drive(b, reqs, stop_at, max_steps=bound + 200)  # asserts weight <= budget after every step
     assert len(run.finished) == len(reqs)
     check_jumps(b.config, reqs, run)
-    assert not b.running and not b.waiting and b.projector.committed == 0
+    assert not b.running and not b.waiting and b.committed == 0
 
 
 @SETTINGS
@@ -211,7 +211,7 @@ def test_predictive_mode_never_exceeds_budget(work, margin):
     stops = {f"a{k}": v for k, v in stop_at.items()}
     run = drive(b, first + reqs, stops | {r.id: r.max_new_tokens for r in reqs})
     assert len(run.finished) == 2 * len(reqs)
-    assert not b.running and b.projector.committed == 0
+    assert not b.running and b.committed == 0
 
 
 @SETTINGS
@@ -251,7 +251,7 @@ def test_profile_updated_in_place_matches_a_fresh_build(ops, cand, model, block,
 def assert_profile_follows(b: Batcher) -> None:
     """The profile, updated in place since the batcher started, equals one built from scratch and the
     brute-force load of the running set at every finish point."""
-    profile = b.projector.profile()
+    profile = b.profile()
     assert set(b.projector.entries) == set(b.running)
     for req in b.running.values():
         if req.decoding:  # a decoding request's entry stays what a rebuild would compute now

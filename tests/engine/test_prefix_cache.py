@@ -84,7 +84,7 @@ def test_cancelling_holders_keeps_the_cache_consistent(tiny_loaded):
     while not eng.idle():
         eng.step()  # check_invariants checks the ledger and the charges after every step
     assert all(h.final is not None for h in handles)
-    assert eng.batcher.ledger.used == 0 and eng.batcher.paging.shared.held == 0
+    assert eng.batcher.ledger.used == 0 and eng.batcher.shared_blocks_held == 0
 
 
 def test_prompt_logprobs_requests_compute_their_whole_prompt(tiny_loaded):
