@@ -14,11 +14,11 @@ def tls_options(s: Settings, url: str) -> dict:
     if not url.startswith("rediss://"):
         return {}
     reqs = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL, "none": ssl.CERT_NONE}
-    if s.redis_ssl_cert_reqs not in reqs:
-        raise ValueError(f"REDIS_SSL_CERT_REQS={s.redis_ssl_cert_reqs!r}: expected one of {', '.join(reqs)}")
-    opts = {"ssl_cert_reqs": reqs[s.redis_ssl_cert_reqs]}
-    if s.redis_ssl_ca_certs:
-        opts["ssl_ca_certs"] = s.redis_ssl_ca_certs
+    if s.redis.ssl_cert_reqs not in reqs:
+        raise ValueError(f"REDIS_SSL_CERT_REQS={s.redis.ssl_cert_reqs!r}: expected one of {', '.join(reqs)}")
+    opts = {"ssl_cert_reqs": reqs[s.redis.ssl_cert_reqs]}
+    if s.redis.ssl_ca_certs:
+        opts["ssl_ca_certs"] = s.redis.ssl_ca_certs
     return {"broker_use_ssl": opts, "redis_backend_use_ssl": opts}
 
 
@@ -32,8 +32,8 @@ def own_transport(url: str) -> bool:
 
 
 def celery_config(s: Settings, url: str | None = None) -> dict:
-    url = url or s.resolved_redis_url()
-    sentinel = celery_options(url, s)
+    url = url or s.redis.resolved_url()
+    sentinel = celery_options(url, s.redis)
     return {
         "broker_url": url,
         "result_backend": url,
@@ -47,11 +47,11 @@ def celery_config(s: Settings, url: str | None = None) -> dict:
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,
         "worker_pool": "threads",
-        "worker_concurrency": s.concurrency,
-        "task_default_queue": s.queue,
+        "worker_concurrency": s.worker.concurrency,
+        "task_default_queue": s.queues.queue,
         "broker_transport_options": {
-            "visibility_timeout": s.visibility_timeout_s,
-            "unacked_restore_interval": s.restore_interval_s,
+            "visibility_timeout": s.worker.visibility_timeout_s,
+            "unacked_restore_interval": s.worker.restore_interval_s,
             "unacked_restore_throttle": 1,
             # kombu holds this Redis lock while it restores expired messages, 300 s by default: a worker
             # SIGKILLed inside that window stopped every worker's restores for five minutes (seen in CI:
@@ -70,12 +70,12 @@ def celery_config(s: Settings, url: str | None = None) -> dict:
         # kombu's Redis transport without the restore-on-close that crashed the consumer after a
         # Redis crash (see app/transport.py); rediss:// and unix sockets keep kombu's own.
         **({"broker_transport": _OWN_TRANSPORTS[url.split("://")[0]]} if own_transport(url) else {}),
-        "result_expires": s.result_ttl_s,
+        "result_expires": s.stream.result_ttl_s,
         # The request is kept once, in the job hash (for recovery): an extended result stored it again,
         # with every token id, for RESULT_TTL_S.
         "result_extended": False,
         "task_track_started": False,  # Flower sees "started" through events; skip the extra backend write
-        "task_send_sent_event": s.task_events,
-        "worker_send_task_events": s.task_events,
+        "task_send_sent_event": s.queues.task_events,
+        "worker_send_task_events": s.queues.task_events,
         "worker_hijack_root_logger": False,
     }

@@ -36,7 +36,7 @@ from redis.sentinel import Sentinel, SentinelManagedConnection
 if TYPE_CHECKING:
     from redis.commands.core import Script
 
-    from .settings import Settings
+    from .settings import RedisSettings
 
 
 log = logging.getLogger(__name__)
@@ -135,49 +135,49 @@ def parse_sentinel(url: str) -> SentinelTarget:
     return SentinelTarget(tuple(hosts), db, username, password)
 
 
-def _sentinel_kwargs(settings: Settings) -> dict:
+def _sentinel_kwargs(conf: RedisSettings) -> dict:
     kw: dict[str, Any] = {"socket_timeout": 2.0, "socket_connect_timeout": 2.0}
-    if settings.redis_sentinel_password:
-        kw["password"] = settings.redis_sentinel_password
+    if conf.sentinel_password:
+        kw["password"] = conf.sentinel_password
     return kw
 
 
-def connect(url: str, settings: Settings, **kw) -> redis.Redis:
+def connect(url: str, conf: RedisSettings, **kw) -> redis.Redis:
     """A client of the master (whichever server that is now, under Sentinel)."""
     if not is_sentinel(url):
         return redis.Redis.from_url(url, **kw)
-    return _master_for(Sentinel, url, settings, connection_class=FailoverAwareConnection, **kw)
+    return _master_for(Sentinel, url, conf, connection_class=FailoverAwareConnection, **kw)
 
 
-def connect_streams(settings: Settings, broker_url: str | None = None, **kw) -> redis.Redis:
+def connect_streams(conf: RedisSettings, broker_url: str | None = None, **kw) -> redis.Redis:
     """A client of the token plane's home (the heartbeats, leases and LoRA keys): STREAMS_REDIS_URL's
     first server, else the broker's (`broker_url`, default REDIS_URL). A job's keys: TokenPlane."""
-    return connect(settings.streams_urls(broker_url)[0], settings, **kw)
+    return connect(conf.streams_urls(broker_url)[0], conf, **kw)
 
 
-def connect_async(url: str, settings: Settings, **kw) -> aredis.Redis:
+def connect_async(url: str, conf: RedisSettings, **kw) -> aredis.Redis:
     """The asyncio client of the master (the gateway's stream reads)."""
     if not is_sentinel(url):
         return aredis.Redis.from_url(url, **kw)
-    return _master_for(AsyncSentinel, url, settings, **kw)
+    return _master_for(AsyncSentinel, url, conf, **kw)
 
 
-def _master_for(sentinel_class, url: str, settings: Settings, **kw):
+def _master_for(sentinel_class, url: str, conf: RedisSettings, **kw):
     t = parse_sentinel(url)
-    sentinel = sentinel_class(list(t.sentinels), sentinel_kwargs=_sentinel_kwargs(settings))
+    sentinel = sentinel_class(list(t.sentinels), sentinel_kwargs=_sentinel_kwargs(conf))
     # STREAMS_REDIS_URL may name another group, watched by the same sentinels or others
-    shards = settings.streams_urls() if settings.streams_redis_url else []
-    master = settings.streams_master() if url in shards else settings.redis_sentinel_master
+    shards = conf.streams_urls() if conf.streams_url else []
+    master = conf.streams_master() if url in shards else conf.sentinel_master
     return sentinel.master_for(master, db=t.db, username=t.username, password=t.password, **kw)
 
 
-def celery_options(url: str, settings: Settings) -> dict:
+def celery_options(url: str, conf: RedisSettings) -> dict:
     """Broker and result-backend options that a Sentinel URL needs (none for the others)."""
     if not is_sentinel(url):
         return {}
-    opts: dict[str, Any] = {"master_name": settings.redis_sentinel_master}
-    if settings.redis_sentinel_password:
-        opts["sentinel_kwargs"] = {"password": settings.redis_sentinel_password}
+    opts: dict[str, Any] = {"master_name": conf.sentinel_master}
+    if conf.sentinel_password:
+        opts["sentinel_kwargs"] = {"password": conf.sentinel_password}
     return {"broker_transport_options": opts, "result_backend_transport_options": dict(opts)}
 
 

@@ -17,23 +17,23 @@ from typing import Any
 
 import redis
 from weightq.redis_conn import Durable, connect
-from weightq.settings import Settings
+from weightq.settings import RedisSettings
 from weightq.tasks.contract import shard_of
 
 
 class TokenPlane:
     """Clients of each shard (home first), and the Durable writer of each (REDIS_WAIT_REPLICAS)."""
 
-    def __init__(self, clients: list[redis.Redis], settings: Settings) -> None:
+    def __init__(self, clients: list[redis.Redis], conf: RedisSettings) -> None:
         if not clients:
             raise ValueError("STREAMS_REDIS_URL: the token plane needs at least one Redis")
         self.shards = clients
         self.home = clients[0]
-        self.durables = [Durable(c, settings.redis_wait_replicas, settings.redis_wait_timeout_ms) for c in clients]
+        self.durables = [Durable(c, conf.wait_replicas, conf.wait_timeout_ms) for c in clients]
 
     @classmethod
-    def connect(cls, settings: Settings, broker_url: str | None = None, **kw) -> TokenPlane:
-        return cls([connect(url, settings, **kw) for url in settings.streams_urls(broker_url)], settings)
+    def connect(cls, conf: RedisSettings, broker_url: str | None = None, **kw) -> TokenPlane:
+        return cls([connect(url, conf, **kw) for url in conf.streams_urls(broker_url)], conf)
 
     def __len__(self) -> int:
         return len(self.shards)

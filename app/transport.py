@@ -38,7 +38,7 @@ def _fresh_client() -> redis.Redis:
     from .settings import Settings
 
     s = Settings.from_env()
-    return connect(s.resolved_redis_url(), s, socket_timeout=10)
+    return connect(s.redis.resolved_url(), s.redis, socket_timeout=10)
 
 
 # Pop up to ARGV[1] messages from the lists (in order: the most urgent priority first) and record

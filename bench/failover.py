@@ -49,8 +49,8 @@ def measure(event: str, config: str, seconds_after: float = 16.0) -> dict:
     with tempfile.TemporaryDirectory(prefix="weightq-failover-") as home:
         group = SentinelGroup(home, server_args)
         settings = Settings(redis_wait_replicas=wait, redis_wait_timeout_ms=500)
-        client = connect(group.sentinel.url, settings, socket_timeout=2, socket_connect_timeout=1)
-        durable = Durable(client, settings.redis_wait_replicas, settings.redis_wait_timeout_ms)
+        client = connect(group.sentinel.url, settings.redis, socket_timeout=2, socket_connect_timeout=1)
+        durable = Durable(client, settings.redis.wait_replicas, settings.redis.wait_timeout_ms)
         script = client.register_script(WRITE)
         acked: list[tuple[int, float]] = []
         errors = 0

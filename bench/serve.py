@@ -333,7 +333,7 @@ def main() -> None:
         "bench": "serve",
         "runner": args.runner,
         "budget_kv_tokens": BUDGET,
-        "stream_flush_ms": Settings().stream_flush_ms,  # the worker's (it inherits this environment)
+        "stream_flush_ms": Settings.from_env().stream.flush_ms,  # the worker's (it inherits this environment)
         "rounds": args.rounds,
         "cases": [],
     }

@@ -138,7 +138,7 @@ def build(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
         layout,
         lm.device,
         max_batch_weight=weight,
-        cpu_kv_bytes=cfg.cpu_kv_bytes,
+        kv_cache_mb=cfg.kv_cache_mb,
         gpu_memory_fraction=cfg.gpu_memory_fraction,
     )
     log.info("KV cache: %s", why)
@@ -247,7 +247,7 @@ def wants_compile(setting: str, device: torch.device, backend: str) -> bool:
 def _build_simulated(cfg: EngineConfig, lm: LoadedModel, max_total: int, max_input: int) -> EngineParts:
     """The simulated device (engine/runner/simulated.py): the paged runner's batcher and block allocator, the
     model only for its tokenizer, vocabulary and limits. Its KV capacity, unless set, is what the
-    model's real KV would fit in cpu_kv_bytes."""
+    model's real KV would fit in kv_cache_mb."""
     block = cfg.block_size or 16
     weight = cfg.max_batch_weight
     if weight is None and cfg.max_batch_size:
@@ -256,7 +256,7 @@ def _build_simulated(cfg: EngineConfig, lm: LoadedModel, max_total: int, max_inp
     # the pool is sized as the model's real KV would be (its geometry), then allocated one float per token
     real = KVLayout.build(lm.geometry, [None] * lm.geometry.num_layers, block, max_total)
     blocks, why = derive_capacity(
-        real, cpu, max_batch_weight=weight, cpu_kv_bytes=cfg.cpu_kv_bytes, gpu_memory_fraction=1.0
+        real, cpu, max_batch_weight=weight, kv_cache_mb=cfg.kv_cache_mb, gpu_memory_fraction=1.0
     )
     try:
         cost = StepCost.parse(cfg.sim_step_cost) if cfg.sim_step_cost else StepCost()
@@ -293,7 +293,7 @@ def _build_padded(cfg: EngineConfig, lm: LoadedModel, max_total: int, max_input:
             budget = int(free * cfg.gpu_memory_fraction)
             where = f"{cfg.gpu_memory_fraction:.0%} of {free / 2**30:.2f} GiB free on {lm.device}"
         else:
-            budget, where = cfg.cpu_kv_bytes, f"cpu_kv_bytes={cfg.cpu_kv_bytes / 2**20:.0f} MiB"
+            budget, where = cfg.kv_cache_mb * 2**20, f"kv_cache_mb={cfg.kv_cache_mb} MiB"
         weight = int(budget // per_unit)
         why = f"{where} / {per_unit:.0f} B per weight unit ({how})"
     log.info("padded batch: max_batch_weight %d (%s)", weight, why)

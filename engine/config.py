@@ -1,4 +1,6 @@
-"""Engine configuration: one frozen object (the worker builds it from its settings)."""
+"""Engine configuration: one frozen object (the worker builds it from its settings groups `served`,
+`engine` and `batcher`, field by field of the same name: one name and one default per option from the
+environment to the engine; tests/app/test_settings.py compares them)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from weightq.batcher.config import PRIORITY_HEADROOM
 class EngineConfig:
     """model: builtin:tiny, a local directory, or a hub id in the local cache.
     max_batch_weight: KV capacity in tokens; None derives it from max_batch_size x max_total_tokens
-        when max_batch_size is set, else from memory (cpu_kv_bytes, or gpu_memory_fraction of free
+        when max_batch_size is set, else from memory (kv_cache_mb MiB on the CPU, or gpu_memory_fraction of free
         CUDA memory after loading).
     max_total_tokens / max_input_length: 0 means the model's context limit (and that minus one).
     block_size: 0 picks 16 for SDPA and 256 for flash-attn (its paged kernels need multiples of 256).
@@ -53,7 +55,7 @@ class EngineConfig:
     max_total_tokens: int = 0
     max_input_length: int = 0
     max_prefill_weight: int = 2048
-    cpu_kv_bytes: int = 512 * 2**20
+    kv_cache_mb: int = 512  # the CPU KV budget (MiB) when max_batch_weight is derived from memory
     gpu_memory_fraction: float = 0.85
     mode: Literal["auto", "worst_case", "predictive"] = "auto"
     predictive_margin: float = 0.75
@@ -69,9 +71,9 @@ class EngineConfig:
     # each window a mask over it; the memory of a model of full layers, for comparison: bench.families)
     window_rings: bool = True
     # structured output: a spec not compiled before is compiled first in a trial process and refused
-    # past this many seconds or MiB (engine/sampling/grammar_trial.py; 0 s: no trial, every compile trusted)
-    grammar_timeout_s: float = 10.0
-    grammar_memory_mb: int = 2048
+    # past this many seconds or MiB (`Grammars`; 0 s: no trial, every compile trusted)
+    grammar_compile_timeout_s: float = 10.0
+    grammar_compile_memory_mb: int = 2048
     check_invariants: bool = False  # tests: verify the KV pool and the budget after every step
     # LoRA adapters served beside the base model, "name=path-or-hub-id,..." (vLLM's --lora-modules): a
     # request names one as its model; their bytes come out of the KV budget (engine/lora/)

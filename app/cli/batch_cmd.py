@@ -75,10 +75,10 @@ def cmd_batch(args: argparse.Namespace) -> int:
         from .stack import require_worker_extra
 
         require_worker_extra("batch --local")
-    url = ensure_redis(settings)
+    url = ensure_redis(settings.redis)
     client = Client(url, settings=settings)
     with local_worker(url, settings) if args.local else contextlib.nullcontext():
-        served = served_model(client, settings, url)
+        served = served_model(client, settings.queues.queue, url)
         try:
             summary, interrupted = run_batch(
                 src,
@@ -86,13 +86,13 @@ def cmd_batch(args: argparse.Namespace) -> int:
                 client,
                 max_in_flight=args.max_in_flight,
                 progress=not args.no_progress,
-                formats=[OpenAIBatchLines(settings.served_model_name or served)],
+                formats=[OpenAIBatchLines(settings.served.served_model_name or served)],
                 priority=args.priority,
-                watch=WorkerWatch(client, settings.queue),
+                watch=WorkerWatch(client, settings.queues.queue),
                 keep_failed=args.keep_failed,
                 ordered=args.ordered,
                 force=args.force,
-                model=settings.served_model_name or served,
+                model=settings.served.served_model_name or served,
             )
         except BatchChanged as e:
             raise SystemExit(f"weightq batch: {e}") from None
@@ -108,20 +108,20 @@ def queue_workers(client: Client, queue: str) -> dict[str, Heartbeat]:
     return {name: w for name, w in read_live_workers(client.redis).items() if w.queue == queue}
 
 
-def served_model(client: Client, settings: Settings, url: str) -> str:
+def served_model(client: Client, queue: str, url: str) -> str:
     """The model name the queue's workers advertise; refuses (exit 1, naming the fix) when none serves
     it, or when they disagree (a queue serves one model)."""
-    workers = queue_workers(client, settings.queue)
+    workers = queue_workers(client, queue)
     if not workers:
         raise SystemExit(
-            f"weightq batch: no live worker serves queue {settings.queue!r} on {redacted(url)}, so the jobs would "
+            f"weightq batch: no live worker serves queue {queue!r} on {redacted(url)}, so the jobs would "
             "wait forever. Start one with `weightq worker` (the same REDIS_URL and QUEUE), or run the file with a "
             "worker of its own: `weightq batch --local ...`"
         )
     names = sorted({w.served_model for w in workers.values()})
     if len(names) > 1:
         raise SystemExit(
-            f"weightq batch: the workers of queue {settings.queue!r} serve different models ({', '.join(names)}); "
+            f"weightq batch: the workers of queue {queue!r} serve different models ({', '.join(names)}); "
             "give each model a QUEUE of its own"
         )
     return names[0]
@@ -160,9 +160,11 @@ def local_worker(url: str, settings: Settings) -> Iterator[None]:
     from .processes import WorkerProcess
 
     name = f"batch-local-{int(time.time())}@{socket.gethostname()}"
-    home = settings.home / "batch-local"
+    home = settings.redis.home / "batch-local"
     home.mkdir(parents=True, exist_ok=True)
-    print(f"weightq batch: starting a local worker on {settings.model} (log: {home})", file=sys.stderr, flush=True)
+    print(
+        f"weightq batch: starting a local worker on {settings.served.model} (log: {home})", file=sys.stderr, flush=True
+    )
     worker = WorkerProcess(url, name, home)
     try:
         try:

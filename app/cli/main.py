@@ -229,8 +229,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from weightq.settings import Settings
 
     require_worker_extra("worker")
-    settings = Settings.from_env()
-    os.environ["REDIS_URL"] = ensure_redis(settings)
+    settings = Settings.from_env().check()  # before starting anything (the worker checks them again)
+    os.environ["REDIS_URL"] = ensure_redis(settings.redis)
     from weightq.celery import app
 
     argv = [
@@ -238,9 +238,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
         "-P",
         args.pool,
         "-c",
-        str(args.concurrency or settings.concurrency),
+        str(args.concurrency or settings.worker.concurrency),
         "-Q",
-        settings.queue,
+        settings.queues.queue,
         "-l",
         args.loglevel,
         # Gossip and mingle exchange worker state we keep in Redis ourselves; gossip also failed to
@@ -248,7 +248,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         "--without-gossip",
         "--without-mingle",
     ]
-    if settings.task_events:
+    if settings.queues.task_events:
         argv.append("-E")
     if args.hostname:
         argv += ["-n", args.hostname]
@@ -280,13 +280,13 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from weightq.settings import Settings
 
     settings = Settings.from_env()
-    host = args.host or settings.gateway_host
-    port = settings.gateway_port if args.port is None else args.port
+    host = args.host or settings.gateway.host
+    port = settings.gateway.port if args.port is None else args.port
     try:
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         loopback = False
-    if not loopback and not settings.api_key and not args.allow_insecure:
+    if not loopback and not settings.gateway.api_key and not args.allow_insecure:
         raise SystemExit(
             f"weightq gateway: refusing to serve {host} without an API key: set API_KEY (clients send "
             "`Authorization: Bearer <key>`), bind 127.0.0.1, or pass --allow-insecure"
@@ -294,8 +294,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from .supervise import refuse_taken_ports
 
     refuse_taken_ports("weightq gateway", host, {"gateway": port})  # before anything else, not at bind time
-    url = ensure_redis(settings)
-    app = create_app(settings.model_copy(update={"gateway_host": host}), url)  # its Host check knows the bind
+    url = ensure_redis(settings.redis)
+    app = create_app(settings.replace(gateway_host=host), url)  # its Host check knows the bind
     server = uvicorn.Server(
         # proxy_headers off: the app applies TRUSTED_PROXIES itself (however it is served)
         uvicorn.Config(

@@ -36,7 +36,7 @@ class WorkerProcess:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        self.redis = connect_streams(Settings.from_env(env))  # heartbeats live with the streams
+        self.redis = connect_streams(Settings.from_env(env).redis)  # heartbeats live with the streams
 
     def wait_ready(self, timeout: float = 300) -> WorkerProcess:
         deadline = time.monotonic() + timeout

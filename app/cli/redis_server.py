@@ -20,6 +20,7 @@ from pathlib import Path
 
 import redis
 from weightq.redis_conn import redacted
+from weightq.settings import RedisSettings
 
 log = logging.getLogger(__name__)
 
@@ -222,27 +223,27 @@ def write_private(path: Path, text: str) -> None:
         f.write(text)
 
 
-def embedded(settings) -> EmbeddedRedis:
+def embedded(conf: RedisSettings) -> EmbeddedRedis:
     """The embedded Redis of WEIGHTQ_HOME, with its password: generated once and kept in
     WEIGHTQ_HOME/redis/password (mode 0600, like the URL file beside it, which clients read). Bound to
     127.0.0.1 alone, it still answered any local process and any page that reached the port, and a
     Redis 6.2 client can write files as the weightq user (CONFIG SET dir)."""
-    home = settings.home / "redis"
+    home = conf.home / "redis"
     home.mkdir(parents=True, exist_ok=True)
     home.chmod(0o700)
     secret = home / "password"
     if not secret.exists():
         write_private(secret, secrets.token_urlsafe(32))
-    return EmbeddedRedis(home, appendfsync=settings.redis_appendfsync, password=secret.read_text().strip())
+    return EmbeddedRedis(home, appendfsync=conf.appendfsync, password=secret.read_text().strip())
 
 
-def ensure_redis(settings) -> str:
+def ensure_redis(conf: RedisSettings) -> str:
     """REDIS_URL if set; else the embedded Redis (started now unless one already answers)."""
     import redis
 
-    if settings.redis_url:
-        return settings.redis_url
-    url_file = settings.home / "redis" / "url"
+    if conf.url:
+        return conf.url
+    url_file = conf.home / "redis" / "url"
     if url_file.exists():
         url = url_file.read_text().strip()
         try:
@@ -250,7 +251,7 @@ def ensure_redis(settings) -> str:
             return url
         except redis.RedisError:
             pass
-    server = embedded(settings)
+    server = embedded(conf)
     url = server.start()
     write_private(url_file, url)
     print(

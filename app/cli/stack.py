@@ -48,12 +48,12 @@ class Stack:
 
     def start(self) -> None:
         s = self.settings
-        if s.redis_url:
-            self.url = s.redis_url
+        if s.redis.url:
+            self.url = s.redis.url
         else:
-            self.redis_server = embedded(s)
+            self.redis_server = embedded(s.redis)
             self.url = self.redis_server.start()
-            write_private(s.home / "redis" / "url", self.url)
+            write_private(s.redis.home / "redis" / "url", self.url)
             print(f"weightq: embedded Redis at {redacted(self.url)} (data in {self.redis_server.data_dir})", flush=True)
         env = dict(os.environ, REDIS_URL=self.url, PYTHONUNBUFFERED="1")
         py = [sys.executable, "-m"]
@@ -95,7 +95,7 @@ class Stack:
         """Until a worker's heartbeat is in Redis and the gateway answers; returns the worker's stats."""
         import httpx
 
-        r = connect_streams(self.settings, self.url, socket_timeout=5)  # the heartbeats
+        r = connect_streams(self.settings.redis, self.url, socket_timeout=5)  # the heartbeats
         deadline = time.monotonic() + timeout
         while True:
             self.check_children()
@@ -118,7 +118,7 @@ class Stack:
         return f" (logs in {self.log_dir})" if self.log_dir else ""
 
     def worker_stats(self) -> dict:
-        r = connect_streams(self.settings, self.url, socket_timeout=5)  # the heartbeats
+        r = connect_streams(self.settings.redis, self.url, socket_timeout=5)  # the heartbeats
         beat = next(iter(read_live_workers(r).values()), None)
         return dict(beat.stats) if beat else {}
 
@@ -127,7 +127,7 @@ class Stack:
         for c in order:
             if c.proc.poll() is None:
                 os.killpg(c.proc.pid, signal.SIGTERM)
-            grace = self.settings.shutdown_grace_s + 15 if c.name == "worker" else 15
+            grace = self.settings.worker.shutdown_grace_s + 15 if c.name == "worker" else 15
             try:
                 c.proc.wait(grace)
             except subprocess.TimeoutExpired:
@@ -246,13 +246,13 @@ def require_flower() -> None:
 
 def cmd_up(args: argparse.Namespace) -> int:
     require_worker_extra("up")
-    settings = Settings.from_env()
+    settings = Settings.from_env().check()  # it starts a worker: every group
     if args.flower:
         require_flower()
     stack = Stack(
         settings,
-        host=args.host or settings.gateway_host,
-        port=settings.gateway_port if args.port is None else args.port,
+        host=args.host or settings.gateway.host,
+        port=settings.gateway.port if args.port is None else args.port,
         flower_port=args.flower_port if args.flower else None,
     )
     refuse_taken_ports("weightq up", stack.host, {"gateway": stack.port, "Flower": stack.flower_port or 0})
@@ -267,13 +267,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .redis_server import free_port
 
     require_worker_extra("demo")
-    settings = Settings.from_env()
+    settings = Settings.from_env().check()  # it starts a worker: every group
     batch = Path(args.batch) if args.batch else Path(__file__).resolve().parents[2] / "examples" / "prompts.jsonl"
-    home = settings.home / "demo"
+    home = settings.redis.home / "demo"
     (home / "logs").mkdir(parents=True, exist_ok=True)
     stack = Stack(settings, port=free_port(), log_dir=home / "logs", worker_name="demo@%h")
-    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else None
-    print(f"weightq demo: starting Redis, a worker on {settings.model} and the gateway (logs in {home / 'logs'})")
+    headers = {"Authorization": f"Bearer {settings.gateway.api_key}"} if settings.gateway.api_key else None
+    print(
+        f"weightq demo: starting Redis, a worker on {settings.served.model} and the gateway (logs in {home / 'logs'})"
+    )
     with stop_on_signals():
         try:
             stack.start()

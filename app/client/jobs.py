@@ -206,7 +206,7 @@ class Job:
         state = self.client.plane.durable(self.id).run(
             self.client.cancel_script,
             [job_key(self.id), stream_key(self.id), QUEUED],
-            [s.stream_maxlen, s.stream_ttl_s, end, CANCEL_CHANNEL, self.id],
+            [s.stream.maxlen, s.stream.ttl_s, end, CANCEL_CHANNEL, self.id],
         )
         state = state.decode() if isinstance(state, bytes) else state
         if state in (JobState.QUEUED, JobState.RUNNING):
@@ -249,21 +249,21 @@ class Client:
 
     def __init__(self, redis_url: str | None = None, *, settings: Settings | None = None) -> None:
         self.settings = settings or Settings.from_env()
-        url = redis_url or self.settings.resolved_redis_url()
-        self.url, self.streams_urls = url, self.settings.streams_urls(url)
+        url = redis_url or self.settings.redis.resolved_url()
+        self.url, self.streams_urls = url, self.settings.redis.streams_urls(url)
         self.streams_url = self.streams_urls[0]  # the plane's home
-        self.plane = TokenPlane.connect(self.settings, url, socket_timeout=30)
+        self.plane = TokenPlane.connect(self.settings.redis, url, socket_timeout=30)
         self.redis = self.plane.home
         # XREAD blocks up to 1 s: keep the socket timeout well above it (see FACTS: redis-py 8).
-        self.readers = TokenPlane.connect(self.settings, url, socket_timeout=30)
-        self.broker = self.redis if self.streams_url == url else connect(url, self.settings, socket_timeout=30)
-        self.backpressure = Backpressure(self.redis, self.broker, self.settings)
+        self.readers = TokenPlane.connect(self.settings.redis, url, socket_timeout=30)
+        self.broker = self.redis if self.streams_url == url else connect(url, self.settings.redis, socket_timeout=30)
+        self.backpressure = Backpressure(self.redis, self.broker, self.settings.queues)
         self.submit_script = self.redis.register_script(SUBMIT)
         self.cancel_script = self.redis.register_script(CANCEL)
-        self.router = Router(self.redis, self.broker, self.settings)  # which queue each job goes to (AFFINITY)
+        self.router = Router(self.redis, self.broker, self.settings.queues)  # which queue each job goes to (AFFINITY)
         # Fair staging (FAIR_QUEUE): jobs wait in their queue's staged sets, in the scheduler's order,
         # until a worker that can start them releases them (app/worker/intake.py)
-        self.stages = self.settings.fair_queue and own_transport(url)
+        self.stages = self.settings.queues.fair_queue and own_transport(url)
         self._app = None
 
     @property
@@ -311,9 +311,9 @@ class Client:
             ]
         jobs = [r if isinstance(r, JobRequest) else parse_request(r) for r in requests]
         if not checked and any(job.guided is not None or job.adapter for job in jobs):  # the gateway: Intake.parse
-            structured = retrying(self.router.structured, self.settings.redis_retry_s, pause_s=0.2)
+            structured = retrying(self.router.structured, self.settings.redis.retry_s, pause_s=0.2)
             adapters = self.router.adapters() if any(job.adapter for job in jobs) else None
-            check_servable(jobs, structured, self.settings.queue, adapters)
+            check_servable(jobs, structured, self.settings.queues.queue, adapters)
         if not checked:  # the gateway checks once per HTTP request, before its choices are parsed apart
             self.backpressure.admit(jobs)
         ids = [job.request_id or uuid.uuid4().hex for job in jobs]
@@ -322,7 +322,7 @@ class Client:
         s = self.settings
         calls: dict[int, list] = {}
         for job_id, r, job in zip(ids, wire, jobs, strict=True):
-            call = ([job_key(job_id), QUEUED], [json.dumps(r), now, s.result_ttl_s, job_id, job.tenant])
+            call = ([job_key(job_id), QUEUED], [json.dumps(r), now, s.stream.result_ttl_s, job_id, job.tenant])
             calls.setdefault(self.plane.index(job_id), []).append(call)
         # The request is kept with the job so that a worker can re-send a job whose message is lost
         # (app/worker/recovery.py): once this write is in, the job is accepted.
@@ -331,9 +331,9 @@ class Client:
         # lost reply may deliver a message twice: delivery is at least once.
         for shard, shard_calls in calls.items():  # a retry re-runs a shard's calls: SUBMIT is idempotent
             run = self.plane.durables[shard].run_many
-            retrying(lambda run=run, c=shard_calls: run(self.submit_script, c), s.redis_retry_s, pause_s=0.2)
-        queues = retrying(lambda: self.router.queues(jobs), s.redis_retry_s, pause_s=0.2)
-        retrying(lambda: self._publish(ids, jobs, wire, queues), s.redis_retry_s, pause_s=0.2)
+            retrying(lambda run=run, c=shard_calls: run(self.submit_script, c), s.redis.retry_s, pause_s=0.2)
+        queues = retrying(lambda: self.router.queues(jobs), s.redis.retry_s, pause_s=0.2)
+        retrying(lambda: self._publish(ids, jobs, wire, queues), s.redis.retry_s, pause_s=0.2)
         return [Job(self, job_id) for job_id in ids]
 
     def _publish(self, ids: list[str], jobs: list[JobRequest], requests: list[dict], queues: list[str]) -> None:

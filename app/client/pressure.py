@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import redis
 from weightq.metrics import read_live_workers
-from weightq.settings import Settings
+from weightq.settings import QueueSettings
 from weightq.tasks.limits import MAX_PRIORITY
 from weightq.tasks.request import JobRequest
 from weightq.transport import waiting_by_priority
@@ -44,8 +44,8 @@ class Backpressure:
 
     REFRESH_S = 0.25
 
-    def __init__(self, streams: redis.Redis, broker: redis.Redis, settings: Settings) -> None:
-        self.redis, self.broker, self.settings = streams, broker, settings  # heartbeats; the queue
+    def __init__(self, streams: redis.Redis, broker: redis.Redis, conf: QueueSettings) -> None:
+        self.redis, self.broker, self.conf = streams, broker, conf  # heartbeats; the queue
         self._lock = threading.Lock()
         self._projection: Projection | None = None
         self._taken = 0.0
@@ -60,7 +60,7 @@ class Backpressure:
             return self._projection
 
     def _project(self) -> Projection:
-        queue = self.settings.queue
+        queue = self.conf.queue
         now = time.time()
         beats = read_live_workers(self.redis, now).values()
         workers = [w for w in beats if w.serves(queue)]
@@ -77,7 +77,7 @@ class Backpressure:
         """Raises Overloaded (or DeadlineUnreachable) naming the first job that would wait too long;
         otherwise counts them in. Jobs of one call go in class order: each waits behind the others
         of its class or above."""
-        bound = self.settings.max_queue_wait_s
+        bound = self.conf.max_queue_wait_s
         if bound <= 0 and all(job.deadline is None for job in jobs):
             return
         proj = self.projection()

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import redis
 from weightq.metrics import read_live_workers
-from weightq.settings import Settings
+from weightq.settings import QueueSettings
 from weightq.tasks.affinity import rendezvous, route_key
 from weightq.tasks.request import JobRequest
 from weightq.transport import waiting_counts
@@ -25,8 +25,8 @@ REFRESH_S = 1.0  # heartbeats come once a second
 
 
 class Router:
-    def __init__(self, streams: redis.Redis, broker: redis.Redis, settings: Settings) -> None:
-        self.redis, self.broker, self.settings = streams, broker, settings  # heartbeats; the queues
+    def __init__(self, streams: redis.Redis, broker: redis.Redis, conf: QueueSettings) -> None:
+        self.redis, self.broker, self.conf = streams, broker, conf  # heartbeats; the queues
         self._workers: dict[str, str] = {}  # worker name -> its own queue
         self._structured: bool | None = None  # whether a live worker of QUEUE serves `guided` (None: none live)
         self._adapters: dict[str, set[str]] = {}  # LoRA adapter -> the live workers of QUEUE that hold it
@@ -38,7 +38,7 @@ class Router:
         now = time.monotonic()
         if now - self._read_at >= REFRESH_S:
             live = read_live_workers(self.redis)
-            queue = self.settings.queue
+            queue = self.conf.queue
             mine = {name: w for name, w in live.items() if w.queue == queue}
             self._workers = {name: w.own_queue for name, w in mine.items() if w.own_queue}
             self._structured = any(w.structured for w in mine.values()) if mine else None
@@ -63,7 +63,7 @@ class Router:
 
     def queues(self, jobs: Sequence[JobRequest]) -> list[str]:
         """The queue of each job, in order."""
-        s = self.settings
+        s = self.conf
         shared = [s.queue] * len(jobs)
         if not s.affinity or not jobs:
             return shared

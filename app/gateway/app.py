@@ -35,7 +35,7 @@ def create_app(settings: Settings | None = None, url: str | None = None) -> Fast
     app.state.gateway = gw
     app.add_middleware(Guard, gateway=gw)
     # outermost: the client's address from X-Forwarded-For, when a trusted proxy sent it (Guard's limits)
-    app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=gw.settings.trusted_proxies)
+    app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=gw.settings.gateway.trusted_proxies)
 
     @app.exception_handler(HTTPError)
     async def on_http_error(request: Request, e: HTTPError) -> Response:

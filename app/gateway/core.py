@@ -48,21 +48,21 @@ class Gateway:
 
     def __init__(self, settings: Settings, url: str | None = None) -> None:
         self.settings = settings
-        self.url = url or settings.resolved_redis_url()
+        self.url = url or settings.redis.resolved_url()
         self.client = Client(self.url, settings=settings)
         self.submitter = Submitter(self.client)
-        self.model = settings.served_model_name or settings.model
+        self.model = settings.served.name()
         self.version = VERSION
         self.shutting_down = False
         self.serving = ServingLimits(self.workers)
-        self.keys = [k.strip().encode() for k in settings.api_key.split(",") if k.strip()]
-        self.metrics_key = settings.metrics_key.strip().encode()  # reads the metrics routes, nothing else
-        self.key_classes = key_classes(settings.key_priorities)
-        self.browser = None if self.keys else BrowserGuard(settings.gateway_host, settings.allowed_hosts)
+        self.keys = [k.strip().encode() for k in settings.gateway.api_key.split(",") if k.strip()]
+        self.metrics_key = settings.gateway.metrics_key.strip().encode()  # reads the metrics routes, nothing else
+        self.key_classes = key_classes(settings.gateway.key_priorities)
+        self.browser = None if self.keys else BrowserGuard(settings.gateway.host, settings.gateway.allowed_hosts)
         self.limits = ClientLimits(
-            int(resolved(settings.max_concurrent_per_client, bool(self.keys), DEFAULT_CONCURRENT_PER_KEY)),
-            resolved(settings.rate_limit_per_s, bool(self.keys), DEFAULT_RATE_PER_KEY),
-            settings.rate_burst,
+            int(resolved(settings.gateway.max_concurrent_per_client, bool(self.keys), DEFAULT_CONCURRENT_PER_KEY)),
+            resolved(settings.gateway.rate_limit_per_s, bool(self.keys), DEFAULT_RATE_PER_KEY),
+            settings.gateway.rate_burst,
         )
         self.intake = Intake(settings, self.serving, self.key_classes, self.limits, self.client.backpressure)
         self.hub: StreamHub | None = None
@@ -85,7 +85,7 @@ class Gateway:
     # ----- plumbing -----------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
-        self.hub = StreamHub(self.client.streams_urls, self.settings)
+        self.hub = StreamHub(self.client.streams_urls, self.settings.redis)
         await self.hub.start()
         # Ready: what is alive now (libraries, routes) goes to the permanent generation, so full
         # collections scan only what requests create (as the worker does: engine/heap.py).
@@ -109,8 +109,8 @@ class Gateway:
     def queue_depths(self) -> dict[tuple[str, int], int]:
         """Per class, the jobs waiting on this gateway's queue and on every queue a live worker serves."""
         workers = self.workers().values()
-        queues = {self.settings.queue, *(w.queue or self.settings.queue for w in workers)}
-        own = {w.own_queue: w.queue or self.settings.queue for w in workers if w.own_queue}
+        queues = {self.settings.queues.queue, *(w.queue or self.settings.queues.queue for w in workers)}
+        own = {w.own_queue: w.queue or self.settings.queues.queue for w in workers if w.own_queue}
         try:
             return queue_depths(self.client.broker, queues, own)  # a worker's own queue counts for its queue
         except redis.RedisError:
@@ -159,7 +159,7 @@ class Gateway:
         assert self.hub is not None
         replay = Replay()
         last_id, replay.delivered = resume_from(last_id)
-        timeout = self.settings.request_timeout_s
+        timeout = self.settings.gateway.request_timeout_s
         it = self.hub.follow_batches(job_id, last_id, timeout)
         try:
             while True:

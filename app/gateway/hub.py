@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aredis
 from weightq.redis_conn import connect_async, raw_xread, xread_streams
-from weightq.settings import Settings
+from weightq.settings import RedisSettings
 from weightq.tasks.contract import STREAM_TICK, TICKS_KEPT, is_end, shard_of, stream_key
 
 log = logging.getLogger(__name__)
@@ -46,9 +46,9 @@ FULL_EVERY_S = 0.25  # every followed stream is read at least this often (entrie
 
 
 class StreamHub:
-    def __init__(self, urls: list[str], settings: Settings, *, block_ms: int = 20, count: int = 256) -> None:
+    def __init__(self, urls: list[str], conf: RedisSettings, *, block_ms: int = 20, count: int = 256) -> None:
         self._shards = [
-            _Shard(connect_async(url, settings, socket_timeout=30, health_check_interval=10), {}, asyncio.Event())
+            _Shard(connect_async(url, conf, socket_timeout=30, health_check_interval=10), {}, asyncio.Event())
             for url in urls
         ]
         for shard in self._shards:

@@ -60,13 +60,13 @@ class Intake:
     async def body(self, request: Request) -> Any:
         """The request's JSON body, read within BODY_TIMEOUT_S (a body trickled a byte at a time holds
         a connection no longer) and decoded off the event loop when it is large."""
-        limit = self.settings.max_body_bytes
+        limit = self.settings.gateway.max_body_bytes
         declared = request.headers.get("content-length", "")
         if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
             raise HTTPError(413, f"request body of {declared[:20]} bytes exceeds {limit}", "body")
         chunks, size = [], 0
         try:
-            async with asyncio.timeout(self.settings.body_timeout_s):
+            async with asyncio.timeout(self.settings.gateway.body_timeout_s):
                 async for chunk in request.stream():
                     chunks.append(chunk)
                     size += len(chunk)
@@ -74,7 +74,7 @@ class Intake:
                         raise HTTPError(413, f"request body exceeds {limit} bytes", "body")
         except TimeoutError:
             raise HTTPError(
-                408, f"request body not received within {self.settings.body_timeout_s} s", "body", "timeout"
+                408, f"request body not received within {self.settings.gateway.body_timeout_s} s", "body", "timeout"
             ) from None
         raw = b"".join(chunks)
         request.state.body_bytes = size
@@ -91,7 +91,7 @@ class Intake:
         room for them. Sizes are checked before any work per prompt or per token; a large body is
         checked on a thread, so the event loop serves everyone else meanwhile. Choice i of prompt p
         is at p x n + i."""
-        priority = caller_priority(request, self.key_classes, self.settings.open_max_priority)
+        priority = caller_priority(request, self.key_classes, self.settings.gateway.open_max_priority)
         limit = self.serving.max_total_tokens()
         extra: dict[str, Any] = {"tenant": getattr(request.state, "tenant", LOCAL_TENANT)}
         if priority is not None:
@@ -103,12 +103,12 @@ class Intake:
             jobs, n = asked()
             check_request_size(jobs, n, prompt_field)
             parsed = [parse_request(job | extra, door, max_total_tokens=limit) for job in jobs]
-            check_servable(parsed, self.serving.structured(), self.settings.queue, self.serving.adapters())
+            check_servable(parsed, self.serving.structured(), self.settings.queues.queue, self.serving.adapters())
             seeded = lambda job, i: job.with_seed(job.seed + i) if i and job.seed is not None else job  # noqa: E731
             return [seeded(job, i) for job in parsed for i in range(n)]
 
         jobs = await asyncio.to_thread(work) if getattr(request.state, "body_bytes", 0) > OFF_LOOP_BYTES else work()
-        if self.settings.max_queue_wait_s > 0 or "deadline" in extra:
+        if self.settings.queues.max_queue_wait_s > 0 or "deadline" in extra:
             try:  # the projection may replay thousands of queued jobs: off the event loop
                 await asyncio.to_thread(self.pressure.admit, jobs)
             except Overloaded as e:

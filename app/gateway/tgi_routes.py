@@ -119,12 +119,12 @@ def register(app: FastAPI, gw: Gateway) -> None:
         s = gw.settings
         return {
             "model_id": gw.model,
-            "model_dtype": s.dtype,
-            "model_device_type": s.device,
-            "max_input_tokens": any_worker.max_input_length if any_worker else s.max_input_length or None,
-            "max_total_tokens": any_worker.max_total_tokens if any_worker else s.max_total_tokens or None,
+            "model_dtype": s.served.dtype,
+            "model_device_type": s.served.device,
+            "max_input_tokens": any_worker.max_input_length if any_worker else s.served.max_input_length or None,
+            "max_total_tokens": any_worker.max_total_tokens if any_worker else s.served.max_total_tokens or None,
             "max_batch_total_tokens": any_worker.max_batch_weight if any_worker else None,
-            "max_concurrent_requests": s.concurrency * max(1, len(workers)),
+            "max_concurrent_requests": s.worker.concurrency * max(1, len(workers)),
             "workers": len(workers),
             "router": "weightq",
             "version": gw.version,

@@ -39,10 +39,10 @@ STEAL_POLL_S = 0.25  # how often an idle worker looks for work to steal
 def consume_own_queue(sender: str, instance, **_kwargs) -> None:
     """celeryd_after_setup: the worker consumes its own queue first, then those -Q named."""
     settings = Settings.from_env()
-    if not settings.affinity:
+    if not settings.queues.affinity:
         return
     queues = instance.app.amqp.queues
-    own = worker_queue(settings.queue, sender)
+    own = worker_queue(settings.queues.queue, sender)
     current = [name for name in queues.consume_from if name != own]
     queues.add(own)
     queues.select([own, *current])
@@ -68,7 +68,7 @@ class Affinity:
         # the registry, leases and heartbeats on the streams' Redis (STREAMS_REDIS_URL); queues on the broker
         self.redis, self.broker, self.settings = client, broker, settings
         self.hostname, self.instance = hostname, instance
-        self.queue = worker_queue(settings.queue, hostname) if settings.affinity else None
+        self.queue = worker_queue(settings.queues.queue, hostname) if settings.queues.affinity else None
         self._move = broker.register_script(MOVE_QUEUED)
         self._release = Release(broker)
         self._seen_waiting: set[str] = set()  # other own queues found non-empty by the last poll
@@ -79,7 +79,7 @@ class Affinity:
 
     def register(self) -> None:
         if self.queue is not None:
-            entry = {"queue": self.settings.queue, "instance": self.instance, "hostname": self.hostname}
+            entry = {"queue": self.settings.queues.queue, "instance": self.instance, "hostname": self.hostname}
             self.redis.hset(WORKER_QUEUES, self.queue, json.dumps(entry))
 
     def move(self, source: str, dest: str, most: int = 0) -> int:
@@ -95,7 +95,7 @@ class Affinity:
         """Move the queues of workers whose lease lapsed to the shared queue; forget those that are
         empty, whose worker no client routes to any more (no fresh heartbeat), lapsed for longer than
         a message restored to them could take to come back."""
-        queues = {q: e for q, e in own_queues(self.redis, self.settings.queue).items() if q != self.queue}
+        queues = {q: e for q, e in own_queues(self.redis, self.settings.queues.queue).items() if q != self.queue}
         if not queues:
             return 0
         pipe = self.redis.pipeline(transaction=False)
@@ -109,14 +109,15 @@ class Affinity:
         for (q, entry), alive in status:
             if alive:
                 continue  # alive (or paused: its lease is renewed by a thread of its own)
-            n = self.move(q, self.settings.queue)
+            n = self.move(q, self.settings.queues.queue)
             if n:
                 log.warning("worker %s is gone: %d jobs of its queue go to the shared queue", entry.get("hostname"), n)
             moved += n
             routed = live.get(entry.get("hostname", ""), {})
             # forgotten once no client routes there (no fresh heartbeat) and no restore can target it: kombu's
             # own transport (rediss://, unix sockets) restores to the queue a message was sent to
-            settled = now - self._gone[q] > self.settings.visibility_timeout_s + 2 * self.settings.lease_ttl_s
+            w = self.settings.worker
+            settled = now - self._gone[q] > w.visibility_timeout_s + 2 * w.lease_ttl_s
             if settled and routed.get("own_queue") != q and not waiting_counts(self.broker, [q])[0]:
                 self.redis.hdel(WORKER_QUEUES, q)
                 del self._gone[q]
@@ -129,8 +130,8 @@ class Affinity:
         worker holds no job) counts the time it idles while work waits (`idle_queued_s`)."""
         if self.queue is None or (room <= 0 and not idle):
             return 0
-        others = [q for q in own_queues(self.redis, self.settings.queue) if q != self.queue]
-        mine, shared, *theirs = waiting_counts(self.broker, [self.queue, self.settings.queue, *others])
+        others = [q for q in own_queues(self.redis, self.settings.queues.queue) if q != self.queue]
+        mine, shared, *theirs = waiting_counts(self.broker, [self.queue, self.settings.queues.queue, *others])
         if idle and (mine or shared or any(theirs)):
             self.idle_queued_s += STEAL_POLL_S
         if room <= 0 or mine or shared:

@@ -58,30 +58,32 @@ class EngineStep(bootsteps.StartStopStep):
         self.host: WorkerHost | None = None
 
     def start(self, worker) -> None:
-        settings = Settings.from_env()
+        settings = Settings.from_env().check()  # every group now: a web process checks only those it reads
         instance = new_instance(worker.hostname)
         # A connection for every task thread, plus the host's loops and the stream writer: redis-py 8
         # caps a pool at 100 by default and then raises instead of waiting (at a warm shutdown, 128
         # task threads requeueing at once ran out). Named for the instance: its liveness (reaper.py).
         # The streams and job state may live on a Redis of their own (STREAMS_REDIS_URL): then a second
         # client reaches the broker's keys (the reaper's restores, the lease's re-stamps, recovery).
-        broker_url = settings.resolved_redis_url()
+        broker_url = settings.redis.resolved_url()
         named = {"socket_timeout": 30, "health_check_interval": 10, "client_name": client_name(instance)}
-        plane = TokenPlane.connect(settings, broker_url, max_connections=settings.concurrency + 16, **named)
-        split = settings.streams_urls(broker_url)[0] != broker_url
-        broker = connect(broker_url, settings, **named) if split else plane.home
+        plane = TokenPlane.connect(
+            settings.redis, broker_url, max_connections=settings.worker.concurrency + 16, **named
+        )
+        split = settings.redis.streams_urls(broker_url)[0] != broker_url
+        broker = connect(broker_url, settings.redis, **named) if split else plane.home
         publisher = StreamPublisher(
             plane,
-            maxlen=settings.stream_maxlen,
-            ttl_s=settings.stream_ttl_s,
-            job_ttl_s=settings.result_ttl_s,
-            flush_s=settings.stream_flush_ms / 1000,
+            maxlen=settings.stream.maxlen,
+            ttl_s=settings.stream.ttl_s,
+            job_ttl_s=settings.stream.result_ttl_s,
+            flush_s=settings.stream.flush_ms / 1000,
         )
         publisher.metrics = EngineMetrics()
-        config = engine_config(settings)
+        config = engine_config(settings.served, settings.engine, settings.batcher)
         config = replace(config, torch_threads=serving_threads(config))  # a core left to the serving path
         engine: AnyEngine
-        if own_process(settings.engine_process, config):
+        if own_process(settings.engine.engine_process, config):
             engine = EngineProcess(config, sink=publisher, on_death=_exit_worker)
         else:
             engine = Engine(config, sink=publisher)
@@ -91,11 +93,11 @@ class EngineStep(bootsteps.StartStopStep):
         engine.start()
         host.start()
         freeze_startup_heap()
-        if settings.metrics_port:
+        if settings.metrics.port:
             registry = CollectorRegistry()
             registry.register(WorkerCollector(lambda: {worker.hostname: host.stats()}))
-            start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=registry)
-            log.info("Prometheus metrics on http://%s:%d/metrics", settings.metrics_host, settings.metrics_port)
+            start_http_server(settings.metrics.port, addr=settings.metrics.host, registry=registry)
+            log.info("Prometheus metrics on http://%s:%d/metrics", settings.metrics.host, settings.metrics.port)
         log.info("weightq engine ready on %s: %s", worker.hostname, engine.kv_derivation)
 
     def stop(self, worker) -> None:

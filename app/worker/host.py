@@ -60,8 +60,8 @@ class WorkerHost:
         self.consumer: Any = None  # Celery's consumer, once it exists (leases and prefetch)
         self.app: Any = None  # the Celery app (to re-send lost jobs)
         self.sweeper = LostJobSweeper(settings, plane, self.broker, hostname, lambda: self.app)
-        self.lease = WorkerLease(plane, settings, hostname, self.instance)
-        self.reaper = Reaper(plane, self.broker, settings, self.instance)
+        self.lease = WorkerLease(plane, settings.worker, hostname, self.instance)
+        self.reaper = Reaper(plane, self.broker, settings.worker, self.instance)
         self.affinity = Affinity(client, self.broker, settings, hostname, self.instance)  # its own queue (AFFINITY)
         self.intake = Intake(self.broker, settings, hostname)  # what it takes from the queue, and when
         publisher.on_superseded = engine.cancel  # a job resumed elsewhere: stop this run of it
@@ -84,7 +84,7 @@ class WorkerHost:
         s, r, stop, consumer = self.settings, self.redis, self._stop, lambda: self.consumer
 
         def recover() -> None:
-            while not stop.wait(s.recover_interval_s):
+            while not stop.wait(s.worker.recover_interval_s):
                 self.sweeper.sweep()
 
         def reap() -> None:
@@ -102,12 +102,12 @@ class WorkerHost:
 
         self.affinity.register()
         self.lease.renew(set())  # listed on every shard before its first job begins (BEGIN reads it there)
-        lora = s.enable_lora or bool(s.lora_modules)  # adapters follow the pool's (LORA_ADAPTERS)
+        lora = s.engine.enable_lora or bool(s.engine.lora_modules)  # adapters follow the pool's (LORA_ADAPTERS)
         for name, loop in (
             ("lease", renew),  # its own lease (LEASE_TTL_S / 4)
             ("reap", reap),
             ("cancel", lambda: loops.cancel_loop(self.plane.shards, self.engine, self.inflight, stop)),
-            ("restamp", lambda: loops.restamp_loop(self.broker, s, self.inflight, consumer, stop)),  # LEASE_RENEW_S
+            ("restamp", lambda: loops.restamp_loop(self.broker, s.worker, self.inflight, consumer, stop)),
             ("intake", lambda: intake_loop(self.intake, self.engine, self.inflight, consumer, self.stopping, stop)),
             ("recover", recover),
             ("heartbeat", lambda: loops.heartbeat_loop(r, self.hostname, self.stats, stop)),
@@ -121,7 +121,7 @@ class WorkerHost:
         if self.stopping.is_set() or self.inflight.exclusive or self.consumer is None:
             return 0
         pending = loops.taken_not_started(self.inflight, self.consumer)
-        return max(0, min(self.engine.room_for(), self.settings.concurrency - len(self.inflight)) - pending)
+        return max(0, min(self.engine.room_for(), self.settings.worker.concurrency - len(self.inflight)) - pending)
 
     def recover_lost_jobs(self) -> list[str]:
         return self.sweeper.sweep()
@@ -131,7 +131,7 @@ class WorkerHost:
         stats = self.engine.stats() | {
             "active_jobs": len(self.inflight),
             "hostname": self.hostname,
-            "queue": s.queue,  # what `weightq batch` and the gateway's queue depth look for
+            "queue": s.queues.queue,  # what `weightq batch` and the gateway's queue depth look for
             "own_queue": self.affinity.queue,  # where clients route this worker's prefixes (None: off)
             "stolen": self.affinity.stolen,
             "drained": self.affinity.drained,
@@ -139,7 +139,7 @@ class WorkerHost:
             "idle_queued_s": round(self.affinity.idle_queued_s, 2),
             "room": self.room(),  # jobs it could take now
             "in_pipe": loops.taken_not_started(self.inflight, self.consumer) if self.consumer is not None else 0,
-            "served_model": s.served_model_name or s.model,
+            "served_model": s.served.name(),
         }
         if self.publisher.metrics is not None:
             stats["metrics"] = self.publisher.metrics.snapshot()
@@ -153,7 +153,7 @@ class WorkerHost:
         self.stopping.set()
         if qos is not None and qos.value > 1:
             qos.decrement_eventually(qos.value - 1)
-        deadline = time.monotonic() + self.settings.shutdown_grace_s
+        deadline = time.monotonic() + self.settings.worker.shutdown_grace_s
         while time.monotonic() < deadline and not self.engine.idle():
             time.sleep(0.1)
         self.publisher.requeueing = True

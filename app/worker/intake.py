@@ -89,11 +89,11 @@ class Intake:
 
     def __init__(self, broker: redis.Redis, settings: Settings, hostname: str) -> None:
         self.settings = settings
-        own = worker_queue(settings.queue, hostname) if settings.affinity else None
-        self.dest = own or settings.queue  # released jobs go where this worker takes first
-        self.sources = [own, settings.queue] if own else [settings.queue]
+        own = worker_queue(settings.queues.queue, hostname) if settings.queues.affinity else None
+        self.dest = own or settings.queues.queue  # released jobs go where this worker takes first
+        self.sources = [own, settings.queues.queue] if own else [settings.queues.queue]
         self.release = Release(broker)
-        self.reserve = settings.reserved_slots()
+        self.reserve = settings.worker.reserved_slots()
         self.released = 0  # staged jobs this worker released (heartbeat, tests)
         self._waiting = 0  # messages waiting in its lists at the last count
 
@@ -109,10 +109,10 @@ class Intake:
             return 0, 0, 0
         s = self.settings
         held = running + taken
-        any_class = max(0, min(room, IN_PIPE, s.concurrency - self.reserve - running) - taken)
-        lookahead = max(0, min(s.concurrency - held, URGENT_LOOKAHEAD) - taken)
+        any_class = max(0, min(room, IN_PIPE, s.worker.concurrency - self.reserve - running) - taken)
+        lookahead = max(0, min(s.worker.concurrency - held, URGENT_LOOKAHEAD) - taken)
         urgent = max(0, lookahead - urgency.urgent_waiting) if urgency.background_running else 0
-        light = max(0, min(lookahead - urgency.light_waiting, s.concurrency - self.reserve - held))
+        light = max(0, min(lookahead - urgency.light_waiting, s.worker.concurrency - self.reserve - held))
         return any_class, urgent, light
 
     def tick(self, engine: AnyEngine, inflight: InFlight, consumer: Any) -> int | None:
@@ -128,9 +128,9 @@ class Intake:
         taken = taken_not_started(inflight, consumer)
         view = engine.urgency()
         any_class, urgent, light = self.plan(room, running, taken, view, exclusive)
-        watch = s.queue if self.dest != s.queue else None
+        watch = s.queues.queue if self.dest != s.queues.queue else None
         # without staging, the same call only counts the urgent messages waiting
-        sources = self.sources if s.fair_queue else []
+        sources = self.sources if s.queues.fair_queue else []
         extra = 0
         if any_class or urgent or light:
             recount = self._waiting > 0  # released beyond the room last time: until taken, they need the prefetch
@@ -141,8 +141,8 @@ class Intake:
             self._waiting = out.waiting
             extra = min(out.waiting, urgent + light)
         # background work may not take the reserved slots; what went beyond the room may, up to the lookahead
-        base = min(s.concurrency - self.reserve, running + room) if not exclusive else running
-        return max(1, min(s.concurrency, base + extra))
+        base = min(s.worker.concurrency - self.reserve, running + room) if not exclusive else running
+        return max(1, min(s.worker.concurrency, base + extra))
 
 
 def _wake() -> None:

@@ -123,10 +123,10 @@ class JobRunner:
                     *(held_key(self.instance), RESUMING, LEASES),
                 ],
                 [
-                    s.stream_maxlen,
+                    s.stream.maxlen,
                     RUNNING_STREAM_TTL_S,
-                    s.result_ttl_s,
-                    s.max_attempts,
+                    s.stream.result_ttl_s,
+                    s.worker.max_attempts,
                     time.time(),
                     self.hostname,
                     job_id,
@@ -153,13 +153,15 @@ class JobRunner:
         self._begun[job_id] = attempt = int(attempt)
         submitted_s, crashes, resumed_from = float(started[0] or 0) or None, int(started[1]), int(started[2])
         emitted, lps = self._emitted(job_id, spec, resumed_from)
-        request = engine_request(job_id, spec, shared_prefix_cache=s.prefix_cache_shared, submitted_s=submitted_s)
+        request = engine_request(
+            job_id, spec, shared_prefix_cache=s.queues.prefix_cache_shared, submitted_s=submitted_s
+        )
         if self.publisher.metrics is not None and submitted_s:
             self.publisher.metrics.submitted(job_id, submitted_s)  # latency from submission
         request.emitted, request.emitted_logprobs = emitted.token_ids, lps
         extra = {"attempt": attempt, "worker": self.hostname}
         # Suspected of crashing workers: alone in the engine, so that a crash now is its own.
-        alone = crashes >= max(1, s.max_attempts - 1)
+        alone = crashes >= max(1, s.worker.max_attempts - 1)
         if alone:
             log.warning("job %s: its worker died %d times while running it; it runs alone", job_id, crashes)
         try:
@@ -169,7 +171,7 @@ class JobRunner:
             final, written = None, True
         if not written:  # Redis down too long: the task ends the job (FAIL), and its queued entries go
             self.publisher.runs.abandon(job_id)
-            raise GenerationFailed(f"job {job_id}: its end entry was not written in {s.redis_retry_s} s")
+            raise GenerationFailed(f"job {job_id}: its end entry was not written in {s.redis.retry_s} s")
         end = self.publisher.runs.ended(job_id)
         if end.superseded:
             raise Ignore(f"job {job_id} resumed on another worker while this one was taken for dead")
@@ -205,7 +207,7 @@ class JobRunner:
         self.retrying(lambda: shard.pipeline().sadd(key, job_id).expire(key, 86_400).execute())
         try:
             final = self.engine.submit(request).result()
-            return final, written.wait(self.settings.redis_retry_s)
+            return final, written.wait(self.settings.redis.retry_s)
         finally:
             self.publisher.runs.end(job_id)
             with contextlib.suppress(redis.RedisError):  # a stale member is never charged (reaper.py)
@@ -233,9 +235,9 @@ class JobRunner:
         # Listed as queued since long ago: if kombu's requeue on the closing channel is lost, the next
         # two recovery sweeps (RECOVER_INTERVAL_S apart) re-send it, without waiting LOST_JOB_GRACE_S.
         s = self.settings
-        since = time.time() - s.lost_job_grace_s - 1
+        since = time.time() - s.worker.lost_job_grace_s - 1
         keys = [job_key(job_id), QUEUED, stream_key(job_id)]
-        args = [since, job_id, json.dumps(result), s.stream_maxlen, s.stream_ttl_s, attempt]
+        args = [since, job_id, json.dumps(result), s.stream.maxlen, s.stream.ttl_s, attempt]
         return Requeued(int(self.plane.durable(job_id).run(self._requeue_script, keys, args)))
 
     def fail(self, job_id: str, message: str, field: str = "") -> None:
@@ -248,14 +250,14 @@ class JobRunner:
             lambda: self.plane.durable(job_id).run(
                 self._fail,
                 [job_key(job_id), stream_key(job_id), QUEUED, STREAM_TICK],
-                [s.stream_maxlen, s.stream_ttl_s, s.result_ttl_s, message, field, job_id, attempt],
+                [s.stream.maxlen, s.stream.ttl_s, s.stream.result_ttl_s, message, field, job_id, attempt],
             )
         )
 
     def retrying(self, op: Callable[[], T]) -> T:
         """A job's own state writes wait out a Redis restart or failover (up to REDIS_RETRY_S): giving
         up would leave it 'running' and make a redelivery run it a second time."""
-        return retrying(op, self.settings.redis_retry_s)
+        return retrying(op, self.settings.redis.retry_s)
 
 
 def _unstarted(job_id: str, emitted: Emitted) -> dict:

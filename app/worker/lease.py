@@ -15,7 +15,7 @@ from __future__ import annotations
 import uuid
 
 import redis
-from weightq.settings import Settings
+from weightq.settings import WorkerSettings
 from weightq.tasks.contract import LEASES, held_key, lease_key
 from weightq.token_plane import TokenPlane
 
@@ -32,10 +32,10 @@ def client_name(instance: str) -> str:
 
 
 class WorkerLease:
-    def __init__(self, plane: TokenPlane, settings: Settings, hostname: str, instance: str) -> None:
+    def __init__(self, plane: TokenPlane, conf: WorkerSettings, hostname: str, instance: str) -> None:
         self.plane, self.hostname, self.instance = plane, hostname, instance
-        self.ttl_ms = max(1, int(settings.lease_ttl_s * 1000))
-        self.renew_s = settings.lease_ttl_s / 4
+        self.ttl_ms = max(1, int(conf.lease_ttl_s * 1000))
+        self.renew_s = conf.lease_ttl_s / 4
         self._held: set[str] = set()  # the tags as last written
 
     def renew(self, held: set[str]) -> None:

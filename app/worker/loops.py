@@ -20,7 +20,7 @@ from typing import Any
 import redis
 from weightq.engine import AnyEngine
 from weightq.redis_conn import is_transient
-from weightq.settings import Settings
+from weightq.settings import WorkerSettings
 from weightq.tasks import heartbeat
 from weightq.tasks.contract import CANCEL_CHANNEL, HEARTBEATS
 
@@ -72,11 +72,11 @@ def cancel_loop(shards: list[redis.Redis], engine: AnyEngine, inflight: InFlight
 
 
 def restamp_loop(
-    client: redis.Redis, settings: Settings, inflight: InFlight, consumer: Callable[[], Any], stop
+    client: redis.Redis, conf: WorkerSettings, inflight: InFlight, consumer: Callable[[], Any], stop
 ) -> None:
     """Every LEASE_RENEW_S, the messages this worker holds are stamped as delivered now, so that kombu's
     visibility timeout never restores a job that is running (not the worker's own lease: lease.py)."""
-    while not stop.wait(settings.lease_renew_s):
+    while not stop.wait(conf.lease_renew_s):
         tags = delivered_tags(inflight, consumer())
         if tags:
             # XX: only re-stamp messages still unacked; never resurrect an acked one.

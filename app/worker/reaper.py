@@ -21,7 +21,7 @@ import time
 
 import redis
 from kombu.transport import redis as kombu_redis
-from weightq.settings import Settings
+from weightq.settings import WorkerSettings
 from weightq.tasks.contract import CHARGE, LEASES, RESUMING, engine_jobs_key, held_key, job_key, lease_key
 from weightq.token_plane import TokenPlane
 from weightq.transport import restore_unacked
@@ -37,10 +37,10 @@ class Reaper:
     STREAMS_REDIS_URL is set). Charging comes first, on each shard, and the dead instance's records go
     last, so a reaper that dies between the servers' steps leaves the instance for the next one to finish."""
 
-    def __init__(self, plane: TokenPlane, broker: redis.Redis, settings: Settings, instance: str) -> None:
+    def __init__(self, plane: TokenPlane, broker: redis.Redis, conf: WorkerSettings, instance: str) -> None:
         self.plane, self.redis, self.broker, self.instance = plane, plane.home, broker, instance
-        self.interval_s = settings.lease_ttl_s / 4
-        self.confirm_s = max(1.0, settings.lease_ttl_s / 2)
+        self.interval_s = conf.lease_ttl_s / 4
+        self.confirm_s = max(1.0, conf.lease_ttl_s / 2)
         self._charge = plane.home.register_script(CHARGE)
         self._suspects: dict[str, float] = {}  # instance -> when it was first seen lapsed and unconnected
         self._client_list = True  # False once the server refused CLIENT LIST

@@ -61,11 +61,11 @@ class LostJobSweeper:
         list in order), and it is in neither the queue's lists nor the unacked messages in two sweeps
         in a row."""
         plane, s = self.plane, self.settings
-        if not plane.home.set(RECOVER_LOCK, self.hostname, nx=True, ex=max(1, int(s.recover_interval_s))):
+        if not plane.home.set(RECOVER_LOCK, self.hostname, nx=True, ex=max(1, int(s.worker.recover_interval_s))):
             return []
-        grace = time.time() - s.lost_job_grace_s
-        lists = priority_queues(s.queue)  # lists[i] holds class MAX_PRIORITY - i
-        lengths = waiting_by_priority(self.broker, [s.queue])[0]  # and its staged sets (FAIR_QUEUE)
+        grace = time.time() - s.worker.lost_job_grace_s
+        lists = priority_queues(s.queues.queue)  # lists[i] holds class MAX_PRIORITY - i
+        lengths = waiting_by_priority(self.broker, [s.queues.queue])[0]  # and its staged sets (FAIR_QUEUE)
         started: dict[int, float] = {}  # class -> latest submission started (on any shard)
         for shard in plane.shards:
             for k, v in shard.hgetall(STARTED_HW).items():
@@ -96,12 +96,12 @@ class LostJobSweeper:
         queued += self._resuming(resuming)
         if not queued:
             return []
-        if waiting > s.lost_job_scan_limit:
+        if waiting > s.worker.lost_job_scan_limit:
             log.info("%d jobs look lost, but the queue is too long to scan now", len(queued))
             return []
         # a job may wait in a worker's own queue (prefix affinity) while later ones start elsewhere
-        own = list(own_queues(plane.home, s.queue))
-        present = self._present(queued, [*lists, *(k for q in own for k in priority_queues(q))], [s.queue, *own])
+        own = list(own_queues(plane.home, s.queues.queue))
+        present = self._present(queued, [*lists, *(k for q in own for k in priority_queues(q))], [s.queues.queue, *own])
         missing = {j for j in queued if j not in present}
         lost, self._suspects = sorted(missing & self._suspects), missing - self._suspects
         app = self.celery_app()
@@ -115,7 +115,7 @@ class LostJobSweeper:
                 TASK_NAME,
                 args=[request],
                 task_id=job_id,
-                queue=s.queue,
+                queue=s.queues.queue,
                 argsrepr=args_repr(request),
                 kwargsrepr="{}",
                 priority=broker_priority(_priority_of(raw)),

@@ -9,35 +9,24 @@ from __future__ import annotations
 from dataclasses import fields
 
 from weightq.engine import EngineConfig, GenerationRequest, SamplingParams
-from weightq.settings import Settings
+from weightq.settings import BatcherSettings, EngineSettings, ServedSettings
 from weightq.tasks.request import JobRequest
 
 
-def engine_config(s: Settings) -> EngineConfig:
+def engine_config(served: ServedSettings, engine: EngineSettings, batcher: BatcherSettings) -> EngineConfig:
+    """The engine's config from its three groups: every field keeps its settings name and default,
+    MAX_BATCH_WEIGHT=0 (derive it) aside, which the engine spells None."""
     return EngineConfig(
-        model=s.model,
-        device=s.device,
-        dtype=s.dtype,
-        max_batch_weight=s.max_batch_weight or None,
-        max_batch_size=s.max_batch_size,
-        max_prefill_weight=s.max_prefill_weight,
-        max_input_length=s.max_input_length,
-        max_total_tokens=s.max_total_tokens,
-        cpu_kv_bytes=s.kv_cache_mb * 2**20,
-        gpu_memory_fraction=s.gpu_memory_fraction,
-        mode=s.batcher_mode,  # type: ignore[arg-type]
-        runner=s.runner,  # type: ignore[arg-type]
-        sim_step_cost=s.sim_step_cost,
-        prefix_cache=s.prefix_cache,
-        lora_modules=s.lora_modules,
-        enable_lora=s.enable_lora,
-        max_lora_rank=s.max_lora_rank,
-        priority_headroom=s.priority_headroom,
-        compile=s.compile,  # type: ignore[arg-type]
-        torch_threads=s.torch_threads,
-        grammar_timeout_s=s.grammar_compile_timeout_s,
-        grammar_memory_mb=s.grammar_compile_memory_mb,
+        **served.model_dump(include=ENGINE_FIELDS),
+        **engine.model_dump(include=ENGINE_FIELDS),
+        **batcher.model_dump(include=ENGINE_FIELDS - {"max_batch_weight"}),
+        max_batch_weight=batcher.max_batch_weight or None,
     )
+
+
+# The settings that reach the engine: those of its config's names (SERVED_MODEL_NAME and ENGINE_PROCESS stay
+# with the worker). A test checks that every field of the three groups is either here or named as the worker's.
+ENGINE_FIELDS = frozenset(f.name for f in fields(EngineConfig))
 
 
 # Every SamplingParams field but `guided` has a JobRequest field of the same name and meaning.

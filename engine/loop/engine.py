@@ -63,7 +63,7 @@ class Engine:
         self.logits_width = int(head.weight.shape[0]) if head is not None else len(self.tokenizer)
         self.grammars = Grammars(
             self.tokenizer, self.logits_width, self.token_texts,
-            timeout_s=cfg.grammar_timeout_s, memory_mb=cfg.grammar_memory_mb,
+            timeout_s=cfg.grammar_compile_timeout_s, memory_mb=cfg.grammar_compile_memory_mb,
         )  # fmt: skip
         self.sink = as_sink(sink)
         self.seqs: dict[str, Sequence] = {}

@@ -155,7 +155,7 @@ def derive_capacity(
     device: torch.device,
     *,
     max_batch_weight: int | None,
-    cpu_kv_bytes: int,
+    kv_cache_mb: int,
     gpu_memory_fraction: float,
 ) -> tuple[int, str]:
     """Number of pages, and a sentence saying how it was derived (logged at start-up).
@@ -170,8 +170,8 @@ def derive_capacity(
         pages = budget // per_page
         why = f"{gpu_memory_fraction:.0%} of {free / 2**30:.2f} GiB free on {device} / {per_page} B per page"
     else:
-        pages = cpu_kv_bytes // per_page
-        why = f"cpu_kv_bytes={cpu_kv_bytes / 2**20:.0f} MiB / {per_page} B per page"
+        pages = kv_cache_mb * 2**20 // per_page
+        why = f"kv_cache_mb={kv_cache_mb} MiB / {per_page} B per page"
     if pages < 1:
         raise ValueError(f"KV cache would hold no page: {why}")
     return pages, f"{pages} pages ({layout.describe()}; {why})"

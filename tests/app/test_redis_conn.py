@@ -26,7 +26,7 @@ def test_celery_gets_the_master_name_and_weightqs_transport():
     assert conf["broker_url"] == conf["result_backend"] == URL
     assert conf["broker_transport"] == "weightq.transport:SentinelTransport"
     assert conf["broker_transport_options"]["master_name"] == "jobs"
-    assert conf["broker_transport_options"]["visibility_timeout"] == s.visibility_timeout_s
+    assert conf["broker_transport_options"]["visibility_timeout"] == s.worker.visibility_timeout_s
     assert conf["broker_transport_options"]["unacked_mutex_expire"] == 10  # a killed holder blocks restores
     assert conf["result_backend_transport_options"] == {"master_name": "jobs", "sentinel_kwargs": {"password": "pw"}}
     plain = celery_config(Settings(redis_url="redis://h:1/0"))
@@ -49,11 +49,11 @@ def test_replies_of_a_failing_over_master_are_transient_and_others_are_not():
 
 
 def test_wait_replicas_is_a_count_or_all_and_errors_name_the_variable():
-    assert Settings.from_env({"REDIS_WAIT_REPLICAS": "all"}).redis_wait_replicas == "all"
-    assert Settings.from_env({"REDIS_WAIT_REPLICAS": "2"}).redis_wait_replicas == 2
+    assert Settings.from_env({"REDIS_WAIT_REPLICAS": "all"}).redis.wait_replicas == "all"
+    assert Settings.from_env({"REDIS_WAIT_REPLICAS": "2"}).redis.wait_replicas == 2
     for bad in ("-1", "most"):
         with pytest.raises((ValueError, ValidationError), match="REDIS_WAIT_REPLICAS"):
-            Settings.from_env({"REDIS_WAIT_REPLICAS": bad})
+            Settings.from_env({"REDIS_WAIT_REPLICAS": bad}).check()
 
 
 def test_logged_urls_hide_passwords():
@@ -67,19 +67,19 @@ def test_logged_urls_hide_passwords():
 def test_the_streams_redis_is_the_brokers_unless_set_and_may_be_another_sentinel_group():
     broker = "sentinel://s1:26379/0"
     same = Settings(redis_url=broker, redis_sentinel_master="jobs")
-    assert same.streams_urls()[0] == broker
-    assert connect_streams(same).connection_pool.service_name == "jobs"
-    assert Settings(redis_url="redis://b:1/0").streams_urls("redis://other:2/0")[0] == "redis://other:2/0"
+    assert same.redis.streams_urls()[0] == broker
+    assert connect_streams(same.redis).connection_pool.service_name == "jobs"
+    assert Settings(redis_url="redis://b:1/0").redis.streams_urls("redis://other:2/0")[0] == "redis://other:2/0"
     split = Settings(
         redis_url=broker, streams_redis_url="sentinel://s2:26379/1", redis_sentinel_master="jobs",
         streams_sentinel_master="tokens",
     )  # fmt: skip
-    assert split.streams_urls()[0] == "sentinel://s2:26379/1"
-    assert connect_streams(split).connection_pool.service_name == "tokens"
-    assert connect(broker, split).connection_pool.service_name == "jobs"
+    assert split.redis.streams_urls()[0] == "sentinel://s2:26379/1"
+    assert connect_streams(split.redis).connection_pool.service_name == "tokens"
+    assert connect(broker, split.redis).connection_pool.service_name == "jobs"
     assert celery_config(split)["broker_url"] == broker  # Celery never sees the streams' Redis
     unnamed = Settings(redis_url=broker, streams_redis_url="sentinel://s2:26379/1", redis_sentinel_master="jobs")
-    assert connect_streams(unnamed).connection_pool.service_name == "jobs"
+    assert connect_streams(unnamed.redis).connection_pool.service_name == "jobs"
 
 
 def test_a_listed_token_plane_is_sharded_by_job_id_home_first():
@@ -89,17 +89,17 @@ def test_a_listed_token_plane_is_sharded_by_job_id_home_first():
     from weightq.token_plane import TokenPlane
 
     s = Settings(redis_url="redis://b:1/0", streams_redis_url=" redis://s0:1/0, redis://s1:1/0 ,redis://s2:1/0")
-    assert s.streams_urls() == ["redis://s0:1/0", "redis://s1:1/0", "redis://s2:1/0"]
-    assert s.streams_urls()[0] == "redis://s0:1/0"  # the home: heartbeats, leases, LoRA
-    assert Settings(redis_url="redis://b:1/0").streams_urls() == ["redis://b:1/0"]
+    assert s.redis.streams_urls() == ["redis://s0:1/0", "redis://s1:1/0", "redis://s2:1/0"]
+    assert s.redis.streams_urls()[0] == "redis://s0:1/0"  # the home: heartbeats, leases, LoRA
+    assert Settings(redis_url="redis://b:1/0").redis.streams_urls() == ["redis://b:1/0"]
     with pytest.raises(ValueError, match="listed twice"):
-        Settings(streams_redis_url="redis://s0:1/0,redis://s0:1/0")
+        Settings(streams_redis_url="redis://s0:1/0,redis://s0:1/0").check()
     # the shard is a function of the id alone, the same in every process, spread evenly
     ids = [f"job-{n}" for n in range(3000)]
     spread = Counter(shard_of(j, 3) for j in ids)
     assert set(spread) == {0, 1, 2} and min(spread.values()) > 900
     assert shard_of("job-7", 1) == 0 and shard_of("job-7", 3) == shard_of("job-7", 3)
-    plane = TokenPlane.connect(s)
+    plane = TokenPlane.connect(s.redis)
     assert len(plane) == 3 and plane.home is plane.shards[0]
     split = plane.split(ids[:50])
     assert sorted(j for part in split.values() for j in part) == sorted(ids[:50])

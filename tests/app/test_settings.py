@@ -1,49 +1,101 @@
-"""Settings come from the environment, typed, with the variable named in every error."""
+"""Settings come from the environment, typed, in groups, with the variable named in every error; each
+process validates the groups it reads (the worker all of them); the engine's config keeps their names
+and defaults."""
+
+from dataclasses import fields
+from types import SimpleNamespace
 
 import pytest
 from weightq.celery_config import celery_config
-from weightq.settings import Settings
-from weightq.worker.to_engine import engine_config
+from weightq.settings import ENV, GROUPS, GatewaySettings, Settings
+from weightq.worker.to_engine import ENGINE_FIELDS, engine_config
+
+# Every variable the settings read before they were grouped (issue 43): the names must never change.
+NAMES_BEFORE_GROUPS = """
+AFFINITY AFFINITY_BACKLOG AFFINITY_PREFIX_CHARS ALLOWED_HOSTS API_KEY BATCHER_MODE BODY_TIMEOUT_S COMPILE CONCURRENCY
+DEVICE DTYPE ENABLE_LORA ENGINE_PROCESS FAIR_QUEUE GATEWAY_HOST GATEWAY_PORT GPU_MEMORY_FRACTION
+GRAMMAR_COMPILE_MEMORY_MB GRAMMAR_COMPILE_TIMEOUT_S INTERACTIVE_SLOTS KEY_PRIORITIES KV_CACHE_MB LEASE_RENEW_S
+LEASE_TTL_S LORA_MODULES LOST_JOB_GRACE_S LOST_JOB_SCAN_LIMIT MAX_ATTEMPTS MAX_BATCH_SIZE MAX_BATCH_WEIGHT
+MAX_BODY_BYTES MAX_CONCURRENT_PER_CLIENT MAX_INPUT_LENGTH MAX_LORA_RANK MAX_PREFILL_WEIGHT MAX_QUEUE_WAIT_S
+MAX_TOTAL_TOKENS METRICS_HOST METRICS_KEY METRICS_PORT MODEL OPEN_MAX_PRIORITY PREFIX_CACHE PREFIX_CACHE_SHARED
+PRIORITY_HEADROOM QUEUE RATE_BURST RATE_LIMIT_PER_S RECOVER_INTERVAL_S REDIS_APPENDFSYNC REDIS_RETRY_S
+REDIS_SENTINEL_MASTER REDIS_SENTINEL_PASSWORD REDIS_SSL_CA_CERTS REDIS_SSL_CERT_REQS REDIS_URL REDIS_WAIT_REPLICAS
+REDIS_WAIT_TIMEOUT_MS REQUEST_TIMEOUT_S RESTORE_INTERVAL_S RESULT_TTL_S RUNNER SERVED_MODEL_NAME SHUTDOWN_GRACE_S
+SIM_STEP_COST STREAMS_REDIS_URL STREAMS_SENTINEL_MASTER STREAM_FLUSH_MS STREAM_MAXLEN STREAM_TTL_S TASK_EVENTS
+TORCH_THREADS TRUSTED_PROXIES VISIBILITY_TIMEOUT_S WEIGHTQ_HOME
+"""
+TODAYS_NAMES = NAMES_BEFORE_GROUPS.split()
+BAD_ENGINE = {"TORCH_THREADS": "abc", "RUNNER": "bogus", "MAX_BATCH_WEIGHT": "lots"}
+
+
+def test_the_environment_names_are_todays_one_field_each():
+    assert len(TODAYS_NAMES) == 75
+    assert set(ENV) == set(TODAYS_NAMES) and len(ENV) == sum(len(g.model_fields) for g in GROUPS.values())
 
 
 def test_from_env_types_and_defaults():
-    s = Settings.from_env(
-        {
-            "MAX_BATCH_WEIGHT": "4096",
-            "TASK_EVENTS": "off",
-            "MODEL": "/models/x",
-            "GPU_MEMORY_FRACTION": "0.5",
-            "REDIS_URL": "",
-        }
-    )
-    assert s.max_batch_weight == 4096 and s.task_events is False and s.model == "/models/x"
-    assert s.gpu_memory_fraction == 0.5 and s.redis_url == "" and s.concurrency == 128
-    assert engine_config(s).max_batch_weight == 4096
-    assert engine_config(Settings.from_env({})).max_batch_weight is None  # 0 means derive
+    env = {"MAX_BATCH_WEIGHT": "4096", "TASK_EVENTS": "off", "MODEL": "/models/x", "GPU_MEMORY_FRACTION": "0.5"}
+    s = Settings.from_env(env | {"REDIS_URL": "", "gateway_port": "9000"}, env_file=None)
+    assert s.batcher.max_batch_weight == 4096 and s.queues.task_events is False and s.served.model == "/models/x"
+    assert s.engine.gpu_memory_fraction == 0.5 and s.redis.url == "" and s.worker.concurrency == 128
+    assert s.gateway.port == 9000  # names are case-insensitive; a group's field may be shorter than its variable
+    assert engine_config(s.served, s.engine, s.batcher).max_batch_weight == 4096
+    d = Settings()
+    assert engine_config(d.served, d.engine, d.batcher).max_batch_weight is None  # 0 means derive
 
 
-def test_bad_values_name_the_variable():
+def test_bad_values_name_the_variable_when_their_group_is_read():
+    s = Settings.from_env({"MAX_BATCH_WEIGHT": "lots", "TASK_EVENTS": "maybe", "BATCHER_MODE": "fast"}, env_file=None)
     with pytest.raises(ValueError, match="MAX_BATCH_WEIGHT='lots': Input should be a valid integer"):
-        Settings.from_env({"MAX_BATCH_WEIGHT": "lots"})
+        _ = s.batcher
     with pytest.raises(ValueError, match="TASK_EVENTS='maybe': Input should be a valid boolean"):
-        Settings.from_env({"TASK_EVENTS": "maybe"})
+        _ = s.queues
     with pytest.raises(ValueError, match="BATCHER_MODE='fast': Input should be 'auto', 'worst_case' or 'predictive'"):
-        Settings.from_env({"BATCHER_MODE": "fast"})
+        s.check()
+    assert s.gateway.port == 8000  # the other groups are unaffected
+    with pytest.raises(TypeError, match="gateway_prot"):
+        Settings(gateway_prot=1)  # a misspelt name in code fails at once
+
+
+def test_the_web_side_ignores_a_bad_engine_variable_and_the_worker_refuses_it(monkeypatch, tmp_path):
+    from weightq.client import Client
+    from weightq.gateway import create_app
+
+    s = Settings.from_env(BAD_ENGINE | {"REDIS_URL": "redis://127.0.0.1:9/0", "API_KEY": "k"}, env_file=None)
+    create_app(s)  # the gateway: its client, limits, hub and routes
+    client = Client(settings=s)
+    assert client.app.conf.task_default_queue == "weightq"  # the client's Celery configuration
+    assert client.router.queues([]) == [] and s.gateway.api_key == "k"
+    with pytest.raises(ValueError, match="TORCH_THREADS='abc'"):
+        _ = s.engine
+    with pytest.raises(ValueError, match="TRUSTED_PROXIES='no-such'"):
+        create_app(Settings.from_env({"TRUSTED_PROXIES": "no-such"}, env_file=None))  # the gateway's own: refused
+
+    from weightq.worker.boot import EngineStep
+
+    monkeypatch.chdir(tmp_path)  # no .env
+    for name, value in BAD_ENGINE.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=r"RUNNER='bogus'.*TORCH_THREADS='abc'.*MAX_BATCH_WEIGHT='lots'"):
+        EngineStep.start(None, SimpleNamespace(hostname="w@t"))  # every group, before anything starts
 
 
 def test_a_dotenv_file_fills_in_what_the_environment_leaves_unset(tmp_path):
     env_file = tmp_path / ".env"
     env_file.write_text("MAX_BATCH_WEIGHT=2048\nCONCURRENCY=7\n# a comment\nQUEUE=from-file\n")
     s = Settings.from_env({"QUEUE": "from-env", "CONCURRENCY": ""}, env_file=env_file)
-    assert s.max_batch_weight == 2048 and s.concurrency == 7  # an empty variable counts as unset
-    assert s.queue == "from-env"  # the environment wins over the file
-    assert Settings.from_env({}, env_file=tmp_path / "missing.env").max_batch_weight == 0
+    assert s.batcher.max_batch_weight == 2048 and s.worker.concurrency == 7  # an empty variable counts as unset
+    assert s.queues.queue == "from-env"  # the environment wins over the file
+    assert Settings.from_env({}, env_file=tmp_path / "missing.env").batcher.max_batch_weight == 0
 
 
 def test_settings_built_in_code_take_only_what_they_are_given(monkeypatch):
     monkeypatch.setenv("MAX_BATCH_WEIGHT", "999")
-    assert Settings(queue="q").max_batch_weight == 0
-    assert Settings.from_env().max_batch_weight == 999
+    assert Settings(queue="q").batcher.max_batch_weight == 0
+    assert Settings.from_env().batcher.max_batch_weight == 999
+    s = Settings(gateway_port=1, queue="q").replace(gateway_host="0.0.0.0")
+    assert (s.gateway.host, s.gateway.port, s.queues.queue) == ("0.0.0.0", 1, "q")
+    assert GatewaySettings(port=2).port == GatewaySettings(GATEWAY_PORT=2).port == 2  # a group alone
 
 
 def test_celery_config_is_json_only_late_ack_and_short_visibility():
@@ -54,13 +106,23 @@ def test_celery_config_is_json_only_late_ack_and_short_visibility():
     assert conf["broker_url"] == conf["result_backend"] == "redis://h:1/0"
 
 
-def test_one_default_per_option_from_the_environment_to_the_batcher():
-    """An option the settings pass down keeps one default in every layer (PRIORITY_HEADROOM once
-    differed: 0.1 in the settings and the engine, 0.0 in the batcher and so the simulator)."""
+def test_one_name_and_one_default_per_option_from_the_environment_to_the_engine():
+    """The settings the engine takes reach it under the same name, with the same default (defaults once
+    differed: PRIORITY_HEADROOM 0.1 in the settings and the engine, 0.0 in the batcher; and KV_CACHE_MB
+    was cpu_kv_bytes, BATCHER_MODE mode, GRAMMAR_COMPILE_TIMEOUT_S grammar_timeout_s in the engine)."""
     from weightq.batcher import BatcherConfig
     from weightq.batcher.config import PRIORITY_HEADROOM
     from weightq.engine import EngineConfig
 
-    assert Settings().priority_headroom == PRIORITY_HEADROOM
-    assert EngineConfig().priority_headroom == PRIORITY_HEADROOM == engine_config(Settings()).priority_headroom
+    d = Settings()
+    assert engine_config(d.served, d.engine, d.batcher) == EngineConfig()
+    groups = [GROUPS["served"], GROUPS["engine"], GROUPS["batcher"]]
+    passed = {name for g in groups for name in g.model_fields if name in ENGINE_FIELDS}
+    assert {name for g in groups for name in g.model_fields} - passed == {"served_model_name", "engine_process"}
+    engine_defaults = {f.name: f.default for f in fields(EngineConfig)}
+    for g in groups:
+        for name in passed & set(g.model_fields):
+            want = None if name == "max_batch_weight" else g.model_fields[name].default  # 0: derive it
+            assert engine_defaults[name] == want, name
+    assert d.batcher.priority_headroom == PRIORITY_HEADROOM
     assert BatcherConfig(max_batch_weight=1024, max_total_tokens=512).priority_headroom == PRIORITY_HEADROOM

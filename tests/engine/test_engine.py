@@ -276,11 +276,11 @@ def test_missing_model_is_a_clear_error():
 def test_kv_capacity_derivation(tiny_loaded):
     from weightq.batcher import ConfigError
 
-    engine = Engine(EngineConfig(cpu_kv_bytes=8 * 2**20), loaded=tiny_loaded)
+    engine = Engine(EngineConfig(kv_cache_mb=8), loaded=tiny_loaded)
     per_token = tiny_loaded.geometry.bytes_per_token
     assert per_token == 2 * 4 * 4 * 32 * 4  # K and V x layers x kv heads x head dim x fp32
     assert engine.batcher.budget == (8 * 2**20 // (per_token * 16)) * 16
-    assert "cpu_kv_bytes=8 MiB" in engine.kv_derivation
+    assert "kv_cache_mb=8 MiB" in engine.kv_derivation
     sized = Engine(EngineConfig(max_batch_size=3, max_total_tokens=100), loaded=tiny_loaded)
     assert sized.batcher.budget == 3 * 112  # 100 tokens round up to 7 blocks of 16
     with pytest.raises(ConfigError, match=r"below the weight of one max-length request.*KV cache"):

@@ -143,7 +143,7 @@ def reference_ignoring_eos(model, req: GenerationRequest) -> list[int]:
 def test_budget_is_derived_from_measured_memory(tmp_path, tiny_path):
     from weightq.engine.model import builtin_path
 
-    engine = Engine(EngineConfig(model="builtin:tiny-t5", device="cpu", cpu_kv_bytes=32 * 2**20))
+    engine = Engine(EngineConfig(model="builtin:tiny-t5", device="cpu", kv_cache_mb=32))
     assert engine.lm.runner == "padded" and "B per weight unit" in engine.kv_derivation
     per_unit = 32 * 2**20 / engine.batcher.budget
     # One decoder token of self-attention KV is the least a weight unit can cost.

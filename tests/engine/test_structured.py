@@ -140,7 +140,7 @@ def test_a_grammar_left_without_any_token_ends_with_an_error_not_text_outside_it
     """The engine's own guard (the contract refuses guided with min_tokens, so only a caller of the
     engine can ask this): a grammar that allows only the end, and min_tokens holding the end back,
     leave no token at all; the request fails, where argmax of an all -inf row emitted token 0."""
-    engine = Engine(EngineConfig(grammar_timeout_s=0), loaded=tiny_loaded)
+    engine = Engine(EngineConfig(grammar_compile_timeout_s=0), loaded=tiny_loaded)
     params = SamplingParams(max_new_tokens=8, min_tokens=2, guided=("regex", "a{0}"))
     res = engine.generate([GenerationRequest("dead", prompt="x", params=params)])[0]
     assert res.reason == "error" and res.error.startswith("guided") and res.text == "" and res.token_ids == ()

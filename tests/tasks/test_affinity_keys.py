@@ -82,4 +82,4 @@ def test_an_own_queue_serves_its_shared_queue_and_a_queue_name_may_not_look_like
     assert served_queue(worker_queue("weightq", "gpu1@host.example")) == "weightq"
     assert served_queue("weightq") == "weightq"
     with pytest.raises(ValueError, match="QUEUE"):
-        Settings.from_env({"QUEUE": "a.w.b"}, env_file=None)
+        Settings.from_env({"QUEUE": "a.w.b"}, env_file=None).check()

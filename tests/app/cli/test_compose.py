@@ -14,7 +14,7 @@ import pytest
 import yaml
 from weightq.cli import build_parser
 from weightq.cli.compose import CPU_INDEX, compose_yaml
-from weightq.settings import Settings, env_name
+from weightq.settings import ENV, Settings
 
 ROOT = Path(__file__).resolve().parents[3]
 EXTERNAL_ENV = {"HF_HOME", "REDISCLI_AUTH", "GF_SECURITY_ADMIN_PASSWORD"}  # read by others, not by Settings
@@ -56,7 +56,7 @@ def test_one_gpu_per_worker_for_n_gpus(gpus):
 def test_every_service_parses_with_the_real_cli_and_settings(kw):
     doc = yaml.safe_load(compose_yaml(**kw))
     services, parser = doc["services"], build_parser()
-    known = {env_name(name) for name in Settings.model_fields} | EXTERNAL_ENV
+    known = set(ENV) | EXTERNAL_ENV
     for name, svc in services.items():
         if not name.startswith(WEIGHTQ_SERVICES):
             continue
@@ -67,7 +67,7 @@ def test_every_service_parses_with_the_real_cli_and_settings(kw):
             assert cmd[:4] == ["celery", "-A", "weightq", "flower"] and any(a.startswith("--basic-auth=") for a in cmd)
         env = {k: interpolate(str(v)) for k, v in svc["environment"].items()}
         assert set(env) <= known, (name, set(env) - known)
-        Settings.from_env({k: v for k, v in env.items() if k not in EXTERNAL_ENV})
+        Settings.from_env({k: v for k, v in env.items() if k not in EXTERNAL_ENV}).check()
         for dep in svc.get("depends_on", {}):
             assert dep in services
     for svc in services.values():  # named volumes and secrets are declared

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 from weightq.gateway.guard import Guard
-from weightq.settings import Settings
+from weightq.settings import ENV, Settings
 
 K8S = Path(__file__).resolve().parents[3] / "deploy" / "k8s"
 
@@ -39,7 +39,7 @@ def test_the_manifests_parse_and_every_setting_is_a_setting():
     docs = documents()
     assert {("Deployment", "weightq-gateway"), ("Deployment", "weightq-worker"), ("StatefulSet", "weightq-redis"),
             ("ScaledObject", "weightq-worker")} <= set(docs)  # fmt: skip
-    names = {name.upper() for name in Settings.model_fields} | {"HF_HOME"}
+    names = set(ENV) | {"HF_HOME"}
     assert set(env_file()) <= names, set(env_file()) - names
     for kind, name in (("Deployment", "weightq-gateway"), ("Deployment", "weightq-worker")):
         refs = [e.get("configMapRef", {}).get("name") for e in container(docs[(kind, name)])["envFrom"]]
@@ -55,7 +55,7 @@ def test_the_gateways_probes_are_open_and_do_not_depend_on_the_workers():
 
 def test_a_workers_grace_outlasts_its_warm_shutdown_and_it_asks_for_one_gpu():
     worker = documents()[("Deployment", "weightq-worker")]
-    grace_s = float(env_file().get("SHUTDOWN_GRACE_S", Settings().shutdown_grace_s))
+    grace_s = float(env_file().get("SHUTDOWN_GRACE_S", Settings().worker.shutdown_grace_s))
     assert worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= grace_s + 20
     assert container(worker)["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert "MODEL" in " ".join(container(worker)["command"])  # refuses to start without MODEL said

@@ -95,10 +95,10 @@ def test_refusals_are_promised_slots_in_turn():
     import pytest
     from weightq.client.backlog import Overloaded, Projection
     from weightq.client.pressure import Backpressure
-    from weightq.settings import Settings
+    from weightq.settings import QueueSettings
     from weightq.tasks.request import JobRequest
 
-    pressure = Backpressure(None, None, Settings(max_queue_wait_s=10.0))  # type: ignore[arg-type]
+    pressure = Backpressure(None, None, QueueSettings(max_queue_wait_s=10.0))  # type: ignore[arg-type]
     # one slot freeing every 0.5 s from now on, 40 jobs queued: a new one waits 20 s
     pressure._projection = Projection(tuple(0.5 * k for k in range(200)), 2.0, {5: 40, 9: 0}, workers=1)
     pressure._taken = float("inf")  # never refreshed

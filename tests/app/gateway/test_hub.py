@@ -9,7 +9,7 @@ import time
 import pytest
 import redis
 from weightq.gateway.hub import StreamHub
-from weightq.settings import Settings
+from weightq.settings import RedisSettings
 from weightq.tasks.contract import STREAM_TICK, TICKS_KEPT, EntryType, stream_key
 
 pytestmark = pytest.mark.service  # real Redis servers and worker processes
@@ -30,7 +30,7 @@ def test_follower_gets_every_entry_through_the_end(redis_url):
     sync = redis.Redis.from_url(redis_url)
 
     async def main():
-        hub = StreamHub([redis_url], Settings(redis_url=redis_url))
+        hub = StreamHub([redis_url], RedisSettings(url=redis_url))
         await hub.start()
         try:
             reader = asyncio.create_task(collect(hub, "hub-a", idle_s=5))
@@ -51,7 +51,7 @@ def test_follower_gets_every_entry_through_the_end(redis_url):
 @pytest.mark.parametrize("idle_s", [0.4, 1.2])
 def test_silent_stream_times_out_near_its_idle_timeout(redis_url, idle_s):
     async def main():
-        hub = StreamHub([redis_url], Settings(redis_url=redis_url))
+        hub = StreamHub([redis_url], RedisSettings(url=redis_url))
         await hub.start()
         try:
             t0 = time.monotonic()
@@ -72,7 +72,7 @@ def test_the_hub_reads_the_streams_its_ticks_name_and_every_stream_now_and_then(
     sync = redis.Redis.from_url(redis_url)
 
     async def main():
-        hub = StreamHub([redis_url], Settings(redis_url=redis_url))
+        hub = StreamHub([redis_url], RedisSettings(url=redis_url))
         await hub.start()
         ticking = True
 

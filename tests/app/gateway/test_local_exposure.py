@@ -27,7 +27,7 @@ def test_the_embedded_redis_has_a_password_only_its_owner_reads(tmp_path):
     from weightq.cli.redis_server import ensure_redis
     from weightq.settings import Settings
 
-    url = ensure_redis(Settings(weightq_home=str(tmp_path)))
+    url = ensure_redis(Settings(weightq_home=str(tmp_path)).redis)
     try:
         for name in ("password", "url"):
             assert stat.S_IMODE((tmp_path / "redis" / name).stat().st_mode) == 0o600
@@ -35,6 +35,6 @@ def test_the_embedded_redis_has_a_password_only_its_owner_reads(tmp_path):
         assert len(password) >= 32 and f":{password}@" in url
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=int(url.rsplit(":", 1)[1].split("/")[0])).ping()
-        assert Settings(weightq_home=str(tmp_path)).resolved_redis_url() == url  # what clients read
+        assert Settings(weightq_home=str(tmp_path)).redis.resolved_url() == url  # what clients read
     finally:
         redis.Redis.from_url(url).shutdown(nosave=True)

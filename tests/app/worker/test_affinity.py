@@ -61,21 +61,21 @@ def test_moving_a_queue_keeps_each_priority_and_the_order(redis_url):
 def test_a_dead_workers_queue_goes_to_the_shared_queue_and_a_live_ones_stays(redis_url):
     r = redis.Redis.from_url(redis_url)
     r.flushall()
-    s = Settings(redis_url=redis_url)
+    queue = Settings(redis_url=redis_url).queues.queue
     for name in ("dead@t", "live@t"):
-        entry = {"queue": s.queue, "instance": f"{name}/1", "hostname": name}
-        r.hset(WORKER_QUEUES, worker_queue(s.queue, name), json.dumps(entry))
-        r.lpush(priority_queues(worker_queue(s.queue, name))[4], "job a", "job b")
+        entry = {"queue": queue, "instance": f"{name}/1", "hostname": name}
+        r.hset(WORKER_QUEUES, worker_queue(queue, name), json.dumps(entry))
+        r.lpush(priority_queues(worker_queue(queue, name))[4], "job a", "job b")
     r.set(lease_key("live@t/1"), "live@t", px=10_000)
     me = Affinity(r, r, Settings(redis_url=redis_url, visibility_timeout_s=1, lease_ttl_s=0.1), "me@t", "me@t/1")
     assert me.drain_dead() == 2
-    assert waiting_counts(r, [s.queue, worker_queue(s.queue, "dead@t"), worker_queue(s.queue, "live@t")]) == [2, 0, 2]
-    assert r.rpop(priority_queues(s.queue)[4]) == b"job a"  # the oldest is taken first, at its priority
-    assert r.hexists(WORKER_QUEUES, worker_queue(s.queue, "dead@t"))  # a restore may still target it
+    assert waiting_counts(r, [queue, worker_queue(queue, "dead@t"), worker_queue(queue, "live@t")]) == [2, 0, 2]
+    assert r.rpop(priority_queues(queue)[4]) == b"job a"  # the oldest is taken first, at its priority
+    assert r.hexists(WORKER_QUEUES, worker_queue(queue, "dead@t"))  # a restore may still target it
     time.sleep(1.3)
     assert me.drain_dead() == 0
-    assert not r.hexists(WORKER_QUEUES, worker_queue(s.queue, "dead@t"))  # empty, no heartbeat: forgotten
-    assert r.hexists(WORKER_QUEUES, worker_queue(s.queue, "live@t"))
+    assert not r.hexists(WORKER_QUEUES, worker_queue(queue, "dead@t"))  # empty, no heartbeat: forgotten
+    assert r.hexists(WORKER_QUEUES, worker_queue(queue, "live@t"))
 
 
 def test_a_message_of_an_own_queue_is_restored_to_the_shared_queue(redis_url):
@@ -107,21 +107,22 @@ def test_the_queue_depth_counts_own_queues_in_the_queue_they_serve(redis_url):
 def test_the_router_sends_a_prefix_to_its_worker_until_the_backlog_then_to_the_shared_queue(redis_url):
     r = redis.Redis.from_url(redis_url)
     r.flushall()
-    s = Settings(redis_url=redis_url, affinity_backlog=4)
-    assert Router(r, r, s).queues([JobRequest(prompt="x")]) == [s.queue]  # no worker known: the shared queue
+    s = Settings(redis_url=redis_url, affinity_backlog=4).queues
+    queue = s.queue
+    assert Router(r, r, s).queues([JobRequest(prompt="x")]) == [queue]  # no worker known: the shared queue
     names = ["a@t", "b@t"]
     for n in names:
-        heartbeat(r, n, worker_queue(s.queue, n))
+        heartbeat(r, n, worker_queue(queue, n))
     heartbeat(r, "other@t", "elsewhere.w.other@t", queue="another-model")  # another queue's worker
     hot = prefix_for("a@t", names, "hot")
     cold = prefix_for("b@t", names, "cold")
     jobs = [JobRequest(prompt=hot + str(i)) for i in range(10)] + [JobRequest(prompt=cold + "!")]
     queues = Router(r, r, s).queues(jobs)
-    assert queues == [worker_queue(s.queue, "a@t")] * 4 + [s.queue] * 6 + [worker_queue(s.queue, "b@t")]
-    r.lpush(priority_queues(worker_queue(s.queue, "b@t"))[0], *range(4))  # b's own queue is full now
-    assert Router(r, r, s).queues(jobs[-1:]) == [s.queue]
-    off = Settings(redis_url=redis_url, affinity=False)
-    assert Router(r, r, off).queues(jobs) == [s.queue] * len(jobs)
+    assert queues == [worker_queue(queue, "a@t")] * 4 + [queue] * 6 + [worker_queue(queue, "b@t")]
+    r.lpush(priority_queues(worker_queue(queue, "b@t"))[0], *range(4))  # b's own queue is full now
+    assert Router(r, r, s).queues(jobs[-1:]) == [queue]
+    off = Settings(redis_url=redis_url, affinity=False).queues
+    assert Router(r, r, off).queues(jobs) == [queue] * len(jobs)
 
 
 def test_affine_routing_stealing_and_a_killed_workers_queue(service):

@@ -9,7 +9,7 @@ import pytest
 import redis
 from weightq.engine import FinishEvent, TokenEvent
 from weightq.engine.params import TokenLogprobs
-from weightq.settings import Settings
+from weightq.settings import RedisSettings
 from weightq.tasks.contract import (
     BEGIN,
     DEAD,
@@ -110,7 +110,7 @@ def test_joined_entries_read_back_as_their_tokens_everywhere(service):
     r = redis.Redis.from_url(service.url, decode_responses=True)
     job_id = service.client.submit("joined", max_new_tokens=8).id  # no worker: it stays queued
     pub = StreamPublisher(
-        TokenPlane([redis.Redis.from_url(service.url)], Settings()), maxlen=1000, ttl_s=600, flush_s=0.3
+        TokenPlane([redis.Redis.from_url(service.url)], RedisSettings()), maxlen=1000, ttl_s=600, flush_s=0.3
     )
     texts = ["Hé", " wo", "", "rld", "🙂", "\n"]
     lp = TokenLogprobs("!", -0.5, (9,), ("!",), (-0.5,))

@@ -112,7 +112,7 @@ def test_a_paused_worker_keeps_its_jobs_and_a_killed_ones_resume_elsewhere_as_on
     # A long pause (GC, a stalled step, SIGSTOP): the lease lapses but the connections stay: nothing moves.
     os.killpg(a.proc.pid, signal.SIGSTOP)
     try:
-        time.sleep(3 * service.client.settings.lease_ttl_s)
+        time.sleep(3 * service.client.settings.worker.lease_ttl_s)
         attempts = {name: r.hget(job_key(name), "attempt") for name in jobs}
     finally:
         os.killpg(a.proc.pid, signal.SIGCONT)

@@ -8,7 +8,7 @@ import pytest
 import redis
 from weightq.engine import FinishEvent, TokenEvent
 from weightq.engine.params import TokenLogprobs
-from weightq.settings import Settings
+from weightq.settings import RedisSettings
 from weightq.tasks.contract import STREAM_TICK, job_key, job_of_stream, stream_key
 from weightq.token_plane import TokenPlane
 from weightq.worker.publisher import StreamPublisher
@@ -32,7 +32,7 @@ def _fields(r: redis.Redis, job: str) -> list[dict[str, str]]:
 
 def test_plain_tokens_logprobs_and_the_end_land_as_the_contract_says_once(service):
     r = redis.Redis.from_url(service.url)
-    pub = StreamPublisher(TokenPlane([r], Settings()), maxlen=1000, ttl_s=600)
+    pub = StreamPublisher(TokenPlane([r], RedisSettings()), maxlen=1000, ttl_s=600)
     try:
         lp = TokenLogprobs("a", -0.25, (5, 8), ("a", "b"), (-0.25, -1.5))
         finish = FinishEvent("j2", "length", "ab", (5, 7), 3, 2, 0.0, 0.1, 0.2)
@@ -73,7 +73,7 @@ def test_writes_of_a_run_that_another_run_replaced_are_refused(service):
     """The fence: once a job's attempt moved on (it resumed elsewhere while this worker was taken for
     dead), this writer's entries and final state for it are dropped, and the job is reported once."""
     r = redis.Redis.from_url(service.url)
-    pub = StreamPublisher(TokenPlane([r], Settings()), maxlen=1000, ttl_s=600)
+    pub = StreamPublisher(TokenPlane([r], RedisSettings()), maxlen=1000, ttl_s=600)
     told: list[str] = []
     pub.on_superseded = told.append
     try:
@@ -101,7 +101,7 @@ def test_an_abort_is_fenced_too(service):
     """A batch Redis keeps refusing ends its jobs with an error entry (ABORT), except a job a later run
     owns: that run is left alone, and this one is stopped as superseded."""
     r = redis.Redis.from_url(service.url)
-    pub = StreamPublisher(TokenPlane([r], Settings()), maxlen=1000, ttl_s=600)
+    pub = StreamPublisher(TokenPlane([r], RedisSettings()), maxlen=1000, ttl_s=600)
     told, failed = [], []
     pub.on_superseded, pub.on_write_failed = told.append, failed.append
     try:
@@ -132,7 +132,9 @@ def test_a_batch_retried_through_an_outage_keeps_its_fences_and_drops_what_its_t
     server = EmbeddedRedis(tmp_path)
     url = server.start()
     r = redis.Redis.from_url(url)
-    pub = StreamPublisher(TokenPlane([redis.Redis.from_url(url, socket_timeout=2)], Settings()), maxlen=1000, ttl_s=600)
+    pub = StreamPublisher(
+        TokenPlane([redis.Redis.from_url(url, socket_timeout=2)], RedisSettings()), maxlen=1000, ttl_s=600
+    )
     told: list[str] = []
     pub.on_superseded = told.append
     try:
@@ -174,7 +176,7 @@ def test_each_shard_has_a_writer_of_its_own(service, tmp_path):
 
     server = EmbeddedRedis(tmp_path)
     a, b = redis.Redis.from_url(service.url), redis.Redis.from_url(server.start(), socket_timeout=2)
-    pub = StreamPublisher(TokenPlane([a, b], Settings()), maxlen=1000, ttl_s=600)
+    pub = StreamPublisher(TokenPlane([a, b], RedisSettings()), maxlen=1000, ttl_s=600)
     failed: list[str] = []
     pub.on_write_failed = failed.append
     on_a, on_b, later_b = (next(f"{p}{i}" for i in range(64) if shard_of(f"{p}{i}", 2) == s)

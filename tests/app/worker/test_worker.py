@@ -59,7 +59,7 @@ def test_submit_many_refuses_a_bad_request_before_writing_any(service):
         service.client.submit_many([good, {"prompt": "hi", "temperatur": 0.5, "request_id": "many-bad"}])
     assert e.value.field == "temperatur"
     r = redis.Redis.from_url(service.url)
-    assert not r.exists(job_key("many-ok")) and r.llen(service.client.settings.queue) == 0
+    assert not r.exists(job_key("many-ok")) and r.llen(service.client.settings.queues.queue) == 0
 
 
 def test_bad_requests_fail_clearly_and_the_worker_keeps_serving(service):
