@@ -19,7 +19,7 @@ preempted come back in an Outcome, which the Batcher applies to its queue. The s
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from . import preemption
@@ -77,12 +77,15 @@ def sharing_fits(batcher: Batcher, req: Request, chunk: int, ahead: int, limit: 
 
 
 def admits_without(batcher: Batcher, req: Request, chunk: int, ahead: int, limit: int) -> Callable[[set[str]], bool]:
-    """Would the projection admit `req` with these running requests preempted?"""
+    """Would the projection admit `req` with these running requests preempted? Conservative, so that
+    no one is preempted in vain: a candidate that found cached blocks is counted as holding them as its
+    own, for its whole life (the exact check follows the preemption)."""
     entry: list[Entry] = []
 
     def admits(ids: set[str]) -> bool:
         if not entry:
-            entry.append(batcher.projector.entry(req, chunk, ahead, batcher.step))
+            alone = replace(req, shared_blocks=0) if req.shared_blocks else req
+            entry.append(batcher.projector.entry(alone, chunk, ahead, batcher.step))
         batcher.profile()  # entries brought up to date
         return batcher.projector.without(ids).admits(entry[0], limit)
 

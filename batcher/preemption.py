@@ -2,7 +2,10 @@
 (TenantShares), and room for an urgent class over background work.
 
 These functions choose; they change nothing but through the Batcher's own methods (grow_reservation,
-preempt: a preempted request keeps its tokens and is prefilled again)."""
+preempt: a preempted request keeps its tokens and is prefilled again). A decoding victim may hold
+cached blocks (a batch's shared system prompt): the check of a set of victims (`admits`) keeps the blocks
+they are charged with where they are, at their finish, which is never less than what preempting them
+leaves (the blocks go to a holder that finishes no later, or are freed)."""
 
 from __future__ import annotations
 
@@ -71,10 +74,7 @@ def for_tenant(
     pool = [
         r
         for r in running
-        if r.tenant != cand.tenant
-        and r.preemptions < max_preemptions
-        and not r.shared_blocks
-        and r.admitted_step < step
+        if r.tenant != cand.tenant and r.preemptions < max_preemptions and r.admitted_step < step and evictable(r)
     ]
     pool.sort(key=lambda r: (reserved[r.tenant], r.admitted_step), reverse=True)
     left = dict(reserved)
@@ -96,11 +96,19 @@ def for_class(
     requests (ranked below `floor`, so not those aged to the top), the newest first, the fewest with
     which the projection admits it; or None, when no such set makes room. Background work yields
     within the step."""
-    pool = [r for r in running if rank(r) < floor and not r.shared_blocks and r.admitted_step < step]
+    pool = [r for r in running if rank(r) < floor and r.admitted_step < step and evictable(r)]
     if not pool:
         return None
     pool.sort(key=lambda r: (-rank(r), r.admitted_step), reverse=True)  # the lowest class, the newest
     return fewest(pool, lambda r: True, admits)
+
+
+def evictable(r: Request) -> bool:
+    """Can `r` leave this step's plan? Not while a prompt chunk of its that holds cached blocks runs:
+    the blocks a chunk fills are keyed when handed out, before the step writes them, so dropping the
+    chunk would leave keys on KV never written. A decoding request keys nothing and may go, cached
+    blocks and all."""
+    return r.status is DECODING or not r.shared_blocks
 
 
 def fewest(pool: list[Request], eligible: Callable[[Request], bool], admits: Admits) -> list[Request] | None:

@@ -104,9 +104,11 @@ def _tokens(rng: random.Random, prompts: list[list[int]]) -> list[int]:
 @SETTINGS
 @given(seed=st.integers(0, 10**6), predictive=st.booleans(), block=st.sampled_from([2, 4]))
 def test_every_request_reads_its_own_kv(seed, predictive, block):
-    """A step loop over the batcher with shared prompts, early stops, cancellations and (predictive
-    mode) preemptions. Each KV slot records which token prefix wrote it; every request must read
-    its own prefix at every position, the budget is never exceeded, and the ledger stays consistent."""
+    """A step loop over the batcher with shared prompts, early stops, cancellations and preemptions
+    (predictive mode's, an urgent class's over background work, a light tenant's over a heavy one's:
+    requests of three classes and two tenants). Each KV slot records which token prefix wrote it;
+    every request must read its own prefix at every position, the budget is never exceeded, and the
+    ledger stays consistent."""
     rng = random.Random(seed)
     prompts = [[rng.randint(0, 50) for _ in range(40)] for _ in range(3)]
     budget = 24 * block * rng.randint(2, 4)
@@ -126,7 +128,15 @@ def test_every_request_reads_its_own_kv(seed, predictive, block):
     for i in range(40):
         ids = _tokens(rng, prompts)
         new = rng.randint(1, min(24, cfg.max_total_tokens - len(ids)))
-        req = Request(str(i), len(ids), new, arrival_s=i * 0.01, prefix=chain_keys(ids, block))
+        req = Request(
+            str(i),
+            len(ids),
+            new,
+            arrival_s=i * 0.01,
+            prefix=chain_keys(ids, block),
+            priority=rng.choice([2, 5, 7]),
+            tenant=rng.choice("ab"),
+        )
         toks[req.id] = ids
         stop_at[req.id] = rng.randint(1, new)
         b.submit(req)
@@ -158,6 +168,41 @@ def test_every_request_reads_its_own_kv(seed, predictive, block):
     assert not b.running and not b.waiting
     assert b.ledger.used == 0
     assert b.stats.cached_tokens > 0 or b.stats.prompt_tokens < 200
+
+
+def test_an_urgent_request_preempts_background_work_that_shares_a_cached_prompt():
+    """A batch whose lines share a system prompt holds cached blocks; an interactive request that does
+    not fit still starts at once, preempting the newest background lines (the shared blocks stay
+    cached for the others), and the preempted lines finish later with all their tokens."""
+    block = 4
+    b = Batcher(BatcherConfig(max_batch_weight=160, max_total_tokens=64, block_size=block, prefix_cache=True))
+    system = list(range(24))
+    for i in range(8):
+        ids = [*system, 100 + i, 101 + i]
+        b.submit(Request(f"bg{i}", len(ids), 20, arrival_s=0.0, priority=2, prefix=chain_keys(ids, block)))
+    for _ in range(3):
+        b.complete(b.schedule(0.0))
+        b.check_memory()
+    running = [r for r in b.running.values() if r.shared_blocks]
+    assert len(running) >= 2, "the background lines share the cached prompt"
+    b.submit(Request("chat", 40, 20, arrival_s=1.0, priority=7))
+    plan = b.schedule(1.0)
+    assert [r.id for r in plan.admitted] == ["chat"]
+    assert plan.preempted and all(r.priority == 2 for r in plan.preempted)
+    assert all(r.id not in b.running for r in plan.preempted)
+    b.check_memory()
+    generated: dict[str, int] = {}
+    for step in range(400):
+        emitted = b.complete(plan)
+        b.check_memory()
+        for r in emitted:
+            if r.generated >= r.max_new_tokens:
+                generated[r.id] = b.finish(r.id).generated
+        if not b.running and not b.waiting:
+            break
+        plan = b.schedule(2.0 + step)
+    assert generated == {**{f"bg{i}": 20 for i in range(8)}, "chat": 20}
+    assert b.ledger.used == 0
 
 
 def test_the_simulator_models_prefix_groups():
