@@ -36,12 +36,12 @@ def plan_running(
     span = ledger.block_size if ledger is not None else 0
     uniform = weight.name != "token" or weight.uniform
     full = uniform or weight.full_pages
-    decoding = DECODING
+    decoding, decode = DECODING, plan.decode.append  # hoisted: this loop runs over every request, every step
     for req in running:
         if req.status is decoding:
             if req.generated >= req.max_new_tokens:
                 raise RuntimeError(f"request {req.id} reached max_new_tokens but was not finished")
-            plan.decode.append(req)
+            decode(req)
             # its next token starts a block (a model without full layers has no block table to tell)
             if ledger is not None and (
                 req.prefilled >= len(req.block_table) * span if full else req.prefilled % span == 0
