@@ -19,6 +19,9 @@ first token's SSE event.
   of first come, first served.
 - workers: each worker's share of busy time while anything waited, and the seconds workers idled
   while a queue they take from held a job (`idle_queued_s`, sampled every 0.25 s).
+- --shared-prompt N: every batch line starts with the same N-character instruction and the workers keep
+  the prefix cache on (PREFIX_CACHE=1), so the batch's running lines hold cached blocks, as a real
+  batch with a system prompt does; the interactive requests must still start at once.
 """
 
 from __future__ import annotations
@@ -122,21 +125,26 @@ def timed(seconds: float):
     return lambda: time.monotonic() >= end
 
 
-def write_lines(path: Path, n: int) -> None:
+def shared_prompt(chars: int) -> str:
+    """The instruction every line starts with (--shared-prompt): `chars` characters, the same for all."""
+    text = "You are a careful assistant. Summarise the report below in plain words, keeping every figure. "
+    return (text * (chars // len(text) + 1))[:chars]
+
+
+def write_lines(path: Path, n: int, shared: str = "") -> None:
     with open(path, "w") as f:
         for i in range(n):
-            f.write(
-                json.dumps({"id": f"l{i}", "prompt": f"line {i}: summarise " + "the report " * 8, "max_new_tokens": 64})
-            )
+            prompt = f"{shared}line {i}: summarise " + "the report " * 8
+            f.write(json.dumps({"id": f"l{i}", "prompt": prompt, "max_new_tokens": 64}))
             f.write("\n")
 
 
 class Batch:
     """`weightq batch IN OUT` in a subprocess, as a user runs it (no flags but the output format)."""
 
-    def __init__(self, url: str, home: Path, lines: int, tag: str) -> None:
+    def __init__(self, url: str, home: Path, lines: int, tag: str, shared: str = "") -> None:
         self.input, self.output = home / f"{tag}.jsonl", home / f"{tag}.out.jsonl"
-        write_lines(self.input, lines)
+        write_lines(self.input, lines, shared)
         self.lines = lines
         env = dict(os.environ, REDIS_URL=url, WEIGHTQ_HOME=str(home))
         self.t0 = time.monotonic()
@@ -218,7 +226,8 @@ def cluster(n_workers: int, args) -> dict:
     home = Path(tempfile.mkdtemp(prefix=f"weightq-queueing-{n_workers}-"))
     server = EmbeddedRedis(home / "redis")
     url = server.start()
-    workers = [WorkerProcess(url, f"q{i}@bench", home, **WORKER) for i in range(n_workers)]
+    worker = WORKER | ({"prefix_cache": 1} if args.shared_prompt else {})
+    workers = [WorkerProcess(url, f"q{i}@bench", home, **worker) for i in range(n_workers)]
     fair = GatewayProcess(url, home, **GATEWAY)
     fifo = GatewayProcess(url, home, fair_queue=0, **GATEWAY)
     try:
@@ -244,11 +253,12 @@ def cluster(n_workers: int, args) -> dict:
 
 def web_beside_batch(url: str, home: Path, fair: GatewayProcess, args) -> dict:
     solo = asyncio.run(interactive(fair.base, timed(args.seconds)))
-    alone = Batch(url, home, args.lines, "alone")
+    shared = shared_prompt(args.shared_prompt) if args.shared_prompt else ""
+    alone = Batch(url, home, args.lines, "alone", shared)
     while not alone.done():
         time.sleep(0.2)
     batch_alone = alone.lines_s()
-    beside = Batch(url, home, args.lines, "beside")
+    beside = Batch(url, home, args.lines, "beside", shared)
     time.sleep(1.0)  # the batch has filled the workers
     mixed = asyncio.run(interactive(fair.base, beside.done))
     batch_mixed = beside.lines_s()
@@ -293,6 +303,7 @@ def main() -> None:
     ap.add_argument("--flood", type=int, default=1000)
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--scenarios", default="batch,tenants")
+    ap.add_argument("--shared-prompt", type=int, default=0, help="characters of instruction every batch line shares")
     args = ap.parse_args()
     runs = []
     for n in (int(x) for x in args.workers.split(",")):
@@ -305,6 +316,8 @@ def main() -> None:
         "max_batch_weight_each": WORKER["max_batch_weight"],
         "lines": args.lines,
         "flood": args.flood,
+        "shared_prompt_chars": args.shared_prompt,
+        "prefix_cache": bool(args.shared_prompt),
         "runs": runs,
     }
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
