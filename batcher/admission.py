@@ -26,7 +26,7 @@ from . import preemption
 from .config import BatcherConfig
 from .plan import PrefillLoad, StepPlan
 from .projection import Entry
-from .request import DECODING, Request
+from .request import Request
 from .weight import PaddedWeight, TokenWeight
 
 if TYPE_CHECKING:
@@ -58,7 +58,8 @@ class Projected:
 def naive_fits(batcher: Batcher, final: int, fixed_len: int, limit: int) -> bool:
     """The fast path: does the sum of every final weight, the candidate's included, fit?"""
     if batcher.weight.name == "token":
-        return batcher.committed + batcher.paging.shared_weight + batcher.weight.seq(final) <= limit
+        w = batcher.weight  # the held cached blocks inline (Paging.shared_weight): this is the fast path
+        return batcher.committed + batcher.paging.shared.held_blocks * w.block_size + w.seq(final) <= limit
     running = batcher.running.values()
     fixed = max((r.fixed_len for r in running), default=0)
     rest = max((r.reserved_total - r.fixed_len for r in running), default=0)
@@ -160,7 +161,7 @@ def admit(batcher: Batcher, now: float, plan: StepPlan, load: PrefillLoad) -> Ou
     keys, weight, reservations = queue.keys, batcher.weight, batcher.reservations
     out = Outcome()
     count, longest, total = load.chunks, load.longest_tokens, load.tokens
-    ahead = sum(r.prefill_left for r in running.values() if r.status is not DECODING) - total
+    ahead = sum(r.prefill_left for r in batcher.projector.prefilling.values()) - total  # the running not decoding
     first_blocked: Request | None = None
     first_idx = 0
     refused: list[tuple[int, int, int, int]] = []
@@ -169,7 +170,7 @@ def admit(batcher: Batcher, now: float, plan: StepPlan, load: PrefillLoad) -> Ou
     candidates = tenants.order(waiting, queue.rank, batcher.held_weight) if fair else enumerate(waiting)
     # background work runs that an urgent class may preempt (preemption.for_class)
     floor = cfg.headroom_priority
-    background = cfg.class_preemption and any(queue.rank(r) < floor for r in running.values())
+    background = cfg.class_preemption and any(-keys[r.id][0] < floor for r in running.values())  # rank, inline
     capped: set[str] = set()  # tenants that admit nothing more in this pass (their cap, a jump rule)
     blocked: dict[str, Request] = {}  # each tenant's first request that did not fit in this pass
     for scanned, (idx, cand) in enumerate(candidates):

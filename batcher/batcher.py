@@ -127,9 +127,10 @@ class Batcher(BatcherView):
             self._cached,
             plan,
         )
-        if self.waiting and self.queue.age(now, self.config.max_wait_s):
+        waiting = self.queue.requests
+        if waiting and self.queue.age(now, self.config.max_wait_s):
             self.idle = False  # a request moved up: the queue deserves a real pass
-        if self.waiting and not self.idle:
+        if waiting and not self.idle:
             out = admission.admit(self, now, plan, load)  # it starts and evicts through start() and preempt()
             if out.taken:
                 self.queue.take(out.taken)
@@ -138,7 +139,7 @@ class Batcher(BatcherView):
             for req in out.evicted:
                 self.queue.put(req)
                 self.idle = False
-        elif self.waiting:
+        elif waiting:
             self.stats.idle_passes += 1
         if self.weight.windows and self.ledger is not None and self.ledger.caching and plan.prefill:
             self.paging.take_snapshots(plan)

@@ -127,8 +127,8 @@ class Projector:
 
     def profile(self) -> TokenProfile | PaddedProfile:
         """The running set's profile, each entry change since the last use applied in place (O(running)
-        each), or, after many of them, rebuilt. Stale prefilling entries are the Batcher's to refresh first."""
-        assert not self.stale, "refresh_prefilling() first"
+        each), or, after many of them, rebuilt. Stale prefilling entries are the Batcher's to refresh first
+        (Batcher.profile does, and recharges the anchors whose finish moved)."""
         if self.changes is None:
             self.profile_ = self.weight.profile([*self.entries.values(), *self.shared_entries.values()])
             self.changes = []
