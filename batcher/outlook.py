@@ -4,7 +4,7 @@ side can project how long a new job would wait (app/client/backlog.py) without a
 Finish steps are each running request's remaining output tokens: its max_new_tokens less what it
 generated (or, in predictive mode once lengths are known, its expected remaining length), because a
 decode step gives every running request one token. Slots are the requests it could run at once:
-those running plus room for more of the typical size (Projector.room_for). A queued job starts when
+those running plus room for more of the typical size (Batcher.room_for). A queued job starts when
 a slot frees, so the web side replays these finishes against the queue (backlog.py: project)."""
 
 from __future__ import annotations
