@@ -22,6 +22,9 @@ first token's SSE event.
 - --shared-prompt N: every batch line starts with the same N-character instruction and the workers keep
   the prefix cache on (PREFIX_CACHE=1), so the batch's running lines hold cached blocks, as a real
   batch with a system prompt does; the interactive requests must still start at once.
+- --chat-context N, --chat-tokens M: interactive requests carry N characters of earlier conversation
+  and ask for M tokens, so that together they need more than the KV headroom background work leaves
+  them (PRIORITY_HEADROOM) and start only by preempting batch lines.
 """
 
 from __future__ import annotations
@@ -97,10 +100,15 @@ def light_split(r: redis.Redis) -> dict:
     return {f"light_{k}_p99_s": pct(v, 0.99) for k, v in parts.items()}
 
 
+CHAT = {"context_chars": 0, "max_tokens": 16}  # --chat-context, --chat-tokens
+
+
 def chat(i: int) -> dict:
+    earlier = "Earlier in this conversation: " + "the figures were discussed at length. " * 64
+    context = earlier[: CHAT["context_chars"]]
     return {
-        "_route": "/v1/chat/completions", "model": "builtin:tiny", "stream": True, "max_tokens": 16,
-        "messages": [{"role": "user", "content": f"interactive question {i}: what is next?"}],
+        "_route": "/v1/chat/completions", "model": "builtin:tiny", "stream": True, "max_tokens": CHAT["max_tokens"],
+        "messages": [{"role": "user", "content": f"{context}interactive question {i}: what is next?"}],
     }  # fmt: skip
 
 
@@ -304,7 +312,10 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--scenarios", default="batch,tenants")
     ap.add_argument("--shared-prompt", type=int, default=0, help="characters of instruction every batch line shares")
+    ap.add_argument("--chat-context", type=int, default=0, help="characters of conversation each chat carries")
+    ap.add_argument("--chat-tokens", type=int, default=16, help="tokens each chat asks for")
     args = ap.parse_args()
+    CHAT.update(context_chars=args.chat_context, max_tokens=args.chat_tokens)
     runs = []
     for n in (int(x) for x in args.workers.split(",")):
         runs.append(cluster(n, args))
@@ -317,6 +328,8 @@ def main() -> None:
         "lines": args.lines,
         "flood": args.flood,
         "shared_prompt_chars": args.shared_prompt,
+        "chat_context_chars": args.chat_context,
+        "chat_tokens": args.chat_tokens,
         "prefix_cache": bool(args.shared_prompt),
         "runs": runs,
     }
