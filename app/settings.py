@@ -23,7 +23,7 @@ import ipaddress
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar, overload
 
 from dotenv import dotenv_values
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -297,6 +297,20 @@ def validated(cls: type[G], raw: Mapping[str, Any]) -> G:
         raise ValueError("; ".join(problems)) from None
 
 
+class GroupOf(Generic[G]):
+    """A group of Settings, by the attribute's name: validated on first read (Settings._group)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> GroupOf[G]: ...
+    @overload
+    def __get__(self, obj: Settings, owner: type | None = None) -> G: ...
+    def __get__(self, obj: Settings | None, owner: type | None = None) -> G | GroupOf[G]:
+        return self if obj is None else obj._group(self.name)
+
+
 class Settings:
     """Read with `Settings.from_env()`; built in code with `Settings(name=value, ...)`, the variables'
     names lower-cased (only what it is given: the environment is not read). Groups are validated on
@@ -343,41 +357,15 @@ class Settings:
             group = self._groups[name] = validated(GROUPS[name], self._raw)
         return group
 
-    @property
-    def redis(self) -> RedisSettings:
-        return self._group("redis")
-
-    @property
-    def served(self) -> ServedSettings:
-        return self._group("served")
-
-    @property
-    def engine(self) -> EngineSettings:
-        return self._group("engine")
-
-    @property
-    def batcher(self) -> BatcherSettings:
-        return self._group("batcher")
-
-    @property
-    def worker(self) -> WorkerSettings:
-        return self._group("worker")
-
-    @property
-    def stream(self) -> StreamSettings:
-        return self._group("stream")
-
-    @property
-    def queues(self) -> QueueSettings:
-        return self._group("queues")
-
-    @property
-    def gateway(self) -> GatewaySettings:
-        return self._group("gateway")
-
-    @property
-    def metrics(self) -> MetricsSettings:
-        return self._group("metrics")
+    redis: GroupOf[RedisSettings] = GroupOf()
+    served: GroupOf[ServedSettings] = GroupOf()
+    engine: GroupOf[EngineSettings] = GroupOf()
+    batcher: GroupOf[BatcherSettings] = GroupOf()
+    worker: GroupOf[WorkerSettings] = GroupOf()
+    stream: GroupOf[StreamSettings] = GroupOf()
+    queues: GroupOf[QueueSettings] = GroupOf()
+    gateway: GroupOf[GatewaySettings] = GroupOf()
+    metrics: GroupOf[MetricsSettings] = GroupOf()
 
 
 def _known(values: Mapping[str, str | None]) -> dict[str, str]:
