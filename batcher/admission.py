@@ -95,15 +95,11 @@ def admits_without(batcher: Batcher, req: Request, chunk: int, ahead: int, limit
 
 @dataclass(slots=True)
 class Outcome:
-    """What a walk did: the queue positions it started, the requests it preempted (back to the queue
-    after the walk), and whether it admitted nothing (the queue is idle until something changes)."""
+    """What a walk did: the queue positions it started (none: the queue is idle until something
+    changes) and the requests it preempted (back to the queue after the walk)."""
 
     taken: list[int] = field(default_factory=list)
     evicted: list[Request] = field(default_factory=list)
-
-    @property
-    def idle(self) -> bool:
-        return not self.taken
 
 
 def candidate_budget(batcher: Batcher, cand: Request) -> tuple[int, int]:

@@ -18,9 +18,6 @@ class WaitingQueue:
         self._classes: set[int] = set()  # classes ever submitted (one: no aging pass needed)
         self._seq = 0
 
-    def __len__(self) -> int:
-        return len(self.requests)
-
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.keys
 
