@@ -181,8 +181,9 @@ class BacklogCollector:
     """The projected waits (app/client/backlog.py) of the queue: what an autoscaler should scale on
     (README, "Autoscaling"), since a queue's length says nothing of how long its jobs take."""
 
-    def __init__(self, source: Callable[[], Any]) -> None:
+    def __init__(self, source: Callable[[], Any], margin: Callable[[], float] | None = None) -> None:
         self.source = source  # () -> a backlog.Projection
+        self.margin = margin  # () -> seconds backpressure keeps below MAX_QUEUE_WAIT_S
 
     def collect(self) -> Iterator:
         try:
@@ -210,6 +211,13 @@ class BacklogCollector:
             if w is not None:
                 wait.add_metric([str(cls)], w)
         yield wait
+        if self.margin is not None:
+            margin = GaugeMetricFamily(
+                "weightq_wait_margin_seconds",
+                "How late first tokens came against their projected waits (p99): kept below MAX_QUEUE_WAIT_S",
+            )
+            margin.add_metric([], self.margin())
+            yield margin
 
 
 def _cumulative(data: dict) -> list[tuple[str, float]]:

@@ -141,6 +141,8 @@ class Job:
             for entry_id, raw in resp[0][1]:
                 ev = _decode(entry_id, raw)
                 last_id = ev.entry_id
+                if ev.type != EntryType.ATTEMPT:
+                    self.client.backpressure.first_entry(self.id)  # the projection's error (cheap past the first)
                 if "n" in ev.data:  # several tokens in one entry: one event each, its last with the entry's id
                     for part in token_parts(ev.data):
                         if int(part["i"]) >= skip:
@@ -317,6 +319,7 @@ class Client:
         if not checked:  # the gateway checks once per HTTP request, before its choices are parsed apart
             self.backpressure.admit(jobs)
         ids = [job.request_id or uuid.uuid4().hex for job in jobs]
+        self.backpressure.submitted(ids, jobs)
         wire = [job.to_json() for job in jobs]
         now = repr(time.time())
         s = self.settings

@@ -7,7 +7,10 @@ when told would find the queue full again of the jobs that arrived meanwhile, an
 and again: its real wait many times what it was told. So each refusal reserves the slot it was
 promised: a job submitted now waits behind the refused jobs due back within the bound (they will
 queue before it starts), and a refusal's Retry-After counts every promise still out ahead of it.
-Promises are this process's (a gateway's): several gateways each keep their own."""
+Promises are this process's (a gateway's): several gateways each keep their own.
+
+A fresh job is let in while its projected wait is within the bound less a margin learned from how
+late the first tokens of the jobs admitted here came against their projections (wait_error.py)."""
 
 from __future__ import annotations
 
@@ -26,16 +29,14 @@ from weightq.tasks.request import JobRequest
 from weightq.transport import waiting_by_priority
 
 from .backlog import DeadlineUnreachable, Overloaded, Projection, WorkerOutlook, project
+from .wait_error import WaitError
 
 # A refused job is told to come back when its projected wait will be this share of the bound (and a
-# new job is refused if it would push a promised one past the bound itself): the slack takes the
+# new job is refused if it would push a promised one past the bound less the margin): the slack takes the
 # projection's drift over the wait (a worker slower than its last second), so that most come back
 # once, not twice.
 PROMISED = 0.8
-# A fresh job is let in while its projected wait is within this share of the bound: the projection errs
-# short at the tail (heartbeats a second old, a first token a step after the start), and with the whole
-# bound the accepted jobs' TTFT p99 came out 8-11% over it (bench.overload, three runs).
-ACCEPTED = 0.9
+SLACK = 0.1  # ... and never closer than this share to where the projection's error leaves it at the bound
 
 
 class Backpressure:
@@ -51,12 +52,26 @@ class Backpressure:
         self._taken = 0.0
         self._since: Counter[int] = Counter()  # class -> jobs accepted since the projection
         self._promised: list[tuple[float, int]] = []  # (unix s a refused job was told to return, class)
+        # a fresh job is let in while its projected wait is within the bound less this margin
+        self.error = WaitError()
+        self._margin = self.error.margin(conf.max_queue_wait_s)  # the prior, until samples come
+
+    def submitted(self, ids: Sequence[str], jobs: Sequence[JobRequest]) -> None:
+        """The ids of jobs admitted here: their first entries (first_entry) teach the margin."""
+        self.error.submitted(ids, jobs)
+
+    def first_entry(self, job_id: str) -> None:
+        self.error.first_entry(job_id)
+
+    def margin(self) -> float:
+        return self.error.margin(self.conf.max_queue_wait_s)
 
     def projection(self) -> Projection:
         with self._lock:
             if self._projection is None or time.monotonic() - self._taken > self.REFRESH_S:
                 self._projection, self._taken = self._project(), time.monotonic()
                 self._since.clear()
+                self._margin = self.error.margin(self.conf.max_queue_wait_s)
             return self._projection
 
     def _project(self) -> Projection:
@@ -87,6 +102,8 @@ class Backpressure:
             since = dict(self._since)
             self._promised = self._promised[bisect.bisect_right(self._promised, (now, MAX_PRIORITY + 1)) :]
             promised = list(self._promised)
+            margin = self._margin
+        waits = []
         for k, job in enumerate(sorted(jobs, key=lambda j: -j.priority)):
             ahead = proj.ahead.get(job.priority, 0) + k + sum(n for cls, n in since.items() if cls >= job.priority)
             if not proj.workers:  # no worker to project from: jobs wait in the queue for one, as always
@@ -94,9 +111,10 @@ class Backpressure:
             wait = max(0.0, proj.start(ahead) - elapsed)
             if bound > 0:
                 due = [at - now + elapsed for at, cls in promised if cls >= job.priority]  # from the projection
-                promise = bound * PROMISED
-                # fresh jobs may use the slack up to the bound itself: a returning job is told of none
-                if wait > bound * ACCEPTED or not kept(proj, ahead + 1, due, bound):
+                # what a projected start may be for the first token to come within the bound
+                limit = bound - margin
+                promise = min(bound * PROMISED, (1 - SLACK) * limit)
+                if wait > limit or not kept(proj, ahead + 1, due, limit):
                     # its turn: behind every refused job told to come back before it
                     last = max(due, default=0.0)
                     retry = _retry(max(proj.start(ahead + len(due)) - promise, last) - elapsed)
@@ -117,14 +135,17 @@ class Backpressure:
                     wait,
                     _retry(wait - max(left, 0.0)),
                 )
+            waits.append((job, wait))
         with self._lock:
             self._since.update(job.priority for job in jobs)
+        for job, wait in waits:
+            self.error.admitted(job, wait)
 
 
-def kept(proj: Projection, first: int, due: list[float], bound: float) -> bool:
+def kept(proj: Projection, first: int, due: list[float], limit: float) -> bool:
     """Whether each refused job, coming back as told (`due`: seconds from the projection,
-    ascending) behind `first` jobs and the ones told before it, still starts within the bound."""
-    return all(proj.start(first + i) - at <= bound for i, at in enumerate(due))
+    ascending) behind `first` jobs and the ones told before it, still starts within the limit."""
+    return all(proj.start(first + i) - at <= limit for i, at in enumerate(due))
 
 
 def _s(wait: float) -> str:

@@ -24,7 +24,7 @@ from weightq.client import Client
 from weightq.metrics import BacklogCollector, QueueCollector, WorkerCollector, queue_depths, read_live_workers
 from weightq.redis_conn import redacted
 from weightq.settings import Settings
-from weightq.tasks.contract import DEAD, Replay, job_key, outcome, resume_from
+from weightq.tasks.contract import DEAD, EntryType, Replay, job_key, outcome, resume_from
 from weightq.tasks.heartbeat import Heartbeat
 from weightq.tasks.limits import ID_PATTERN, LOCAL_TENANT
 from weightq.tasks.request import JobRequest
@@ -77,7 +77,7 @@ class Gateway:
         self.cluster = CollectorRegistry()
         self.cluster.register(WorkerCollector(lambda: {n: w.stats for n, w in self.workers().items()}))
         self.cluster.register(QueueCollector(self.queue_depths))
-        self.cluster.register(BacklogCollector(self.client.backpressure.projection))
+        self.cluster.register(BacklogCollector(self.client.backpressure.projection, self.client.backpressure.margin))
         dead = Gauge("weightq_dead_letters", "Jobs dead-lettered after too many attempts (weightq:dead)",
                      registry=self.cluster)  # fmt: skip
         dead.set_function(lambda: self._llen(DEAD))
@@ -161,6 +161,7 @@ class Gateway:
         last_id, replay.delivered = resume_from(last_id)
         timeout = self.settings.gateway.request_timeout_s
         it = self.hub.follow_batches(job_id, last_id, timeout)
+        started = False
         try:
             while True:
                 try:
@@ -170,6 +171,9 @@ class Gateway:
                 except TimeoutError:
                     raise HTTPError(504, f"job {job_id}: nothing for {timeout} s", None, "timeout") from None
                 fresh = [(eid, g) for eid, f in batch if (g := replay.unseen(f)) is not None]
+                if not started and any(f.get("type") != EntryType.ATTEMPT for _, f in fresh):
+                    started = True
+                    self.client.backpressure.first_entry(job_id)  # what the projected wait missed by
                 if fresh:
                     yield fresh
         finally:

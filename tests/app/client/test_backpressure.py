@@ -55,6 +55,7 @@ def test_a_flood_is_refused_past_the_bound_with_an_honest_retry_after(service):
         service.client.submit(prompt_token_ids=[1, 2, 3], max_new_tokens=8, expires=0.5)
     assert late.value.field == "deadline"
     assert urgent.result(timeout=120)["usage"]["completion_tokens"] == 8
+    assert strict.backpressure.error.samples() == 1  # its first token taught the margin how late it came
     for job in flood:
         assert job.result(timeout=300)["usage"]["completion_tokens"] == 48
     # drained: the same submission is accepted now
@@ -94,6 +95,7 @@ def test_the_gateway_answers_429_with_retry_after_and_exports_the_drain_time(ser
         drain = [ln for ln in metrics.splitlines() if ln.startswith("weightq_projected_drain_seconds ")]
         assert drain and float(drain[0].split()[1]) > 1.0
         assert 'weightq_projected_wait_seconds{priority="9"}' in metrics
+        assert "weightq_wait_margin_seconds 0.1" in metrics  # no first token seen yet: the prior, 0.1 of the bound
         r = httpx.post(gateway.base + "/v1/completions", json=body, headers={"X-Deadline-S": "nonsense"}, timeout=60)
         assert r.status_code == 400 and "X-Deadline-S" in r.text
     finally:
