@@ -1,11 +1,11 @@
 """Overload: twice what the workers can serve, for a minute, through the gateway, with and without a
 bound on the projected queue wait (MAX_QUEUE_WAIT_S).
 
-    python -m bench.overload --json        # [--seconds 60] [--bound 10] [--rounds 1]
+    python -m bench.overload --json        # [--seconds 60] [--bound 10] [--rounds 1] [--workers 1]
 
-A real Redis, the HTTP gateway and one `weightq worker` on the simulated device (RUNNER=simulated:
-a step of SIM_STEP_COST's fixed time, so capacity is known and the two cores stay free for the
-clients). Capacity is measured first: a burst of jobs, completions per second once all are queued.
+A real Redis, the HTTP gateway and `--workers` `weightq worker`s on the simulated device
+(RUNNER=simulated: a step of SIM_STEP_COST's fixed time, so capacity is known and the two cores stay
+free for the clients). Capacity is measured first: a burst of jobs, completions per second once all are queued.
 Then Poisson arrivals at 2x that rate for `--seconds`: streaming completions (the same prompt length
 and max_tokens each, EOS never ends them early on the simulated device), each client reading its first
 token. A refused client (429) comes back after `Retry-After` and again until it is let in.
@@ -54,7 +54,8 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def capacity(url: str, n: int = 120) -> float:
-    """Completions per second with the queue never empty: n jobs at once, the rate over the middle."""
+    """Completions per second with the queue never empty: n jobs at once (n a multiple of about 6
+    jobs per worker's budget), the rate over the middle."""
     client = Client(url, settings=Settings(redis_url=url))
     jobs = client.submit_many([{"prompt": PROMPT, "max_new_tokens": MAX_TOKENS, "ignore_eos": True}] * n)
     ends = []
@@ -182,21 +183,23 @@ def main() -> None:
     ap.add_argument("--bound", type=float, default=10.0)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--overload", type=float, default=2.0)
+    ap.add_argument("--workers", type=int, default=1)
     args = ap.parse_args()
     home = Path(tempfile.mkdtemp(prefix="weightq-overload-"))
     server = EmbeddedRedis(home / "redis")
     url = server.start()
     r = redis.Redis.from_url(url)
-    worker = WorkerProcess(url, "overload@bench", home, **WORKER)
+    workers = [WorkerProcess(url, f"overload{i}@bench", home, **WORKER) for i in range(args.workers)]
     gateways = {
         b: GatewayProcess(url, home, max_queue_wait_s=b, rate_limit_per_s=0, max_concurrent_per_client=0)
         for b in (args.bound, 0.0)
     }
     try:
-        worker.wait_ready()
+        for worker in workers:
+            worker.wait_ready()
         for gw in gateways.values():
             gw.wait_ready()
-        cap = capacity(url)
+        cap = capacity(url, 120 * args.workers)
         rate = args.overload * cap
         results: dict[str, list[dict]] = {"bounded": [], "unbounded": []}
         for i in range(args.rounds):
@@ -207,6 +210,7 @@ def main() -> None:
                 drained(r, gateways[b])
         out = {
             "bench": "overload",
+            "workers": args.workers,
             "capacity_jobs_s": round(cap, 2),
             "offered_jobs_s": round(rate, 2),
             "seconds": args.seconds,
@@ -218,8 +222,9 @@ def main() -> None:
     finally:
         for gw in gateways.values():
             gw.stop()
-        worker.stop()
-        worker.kill()
+        for worker in workers:
+            worker.stop()
+            worker.kill()
         server.stop()
 
 

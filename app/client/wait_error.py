@@ -58,7 +58,7 @@ class WaitError:
         now = time.time()
         with self._lock:
             held = self._open.pop(job_id, None)
-            if held is not None and held[1] > 0:  # a job projected to start at once teaches nothing of waits
+            if held is not None:  # one projected to start at once too: it may wait for slots taken since
                 self._samples.append((now, (now - held[0]) - held[1]))
 
     def margin(self, bound: float) -> float:

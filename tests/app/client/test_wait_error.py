@@ -57,20 +57,22 @@ def test_early_first_tokens_never_lend_more_than_the_bound(clock):
     assert err.margin(10.0) == 0.0
 
 
-def test_samples_age_out_and_only_jobs_admitted_here_with_a_wait_count(clock):
+def test_samples_age_out_and_only_jobs_admitted_here_count_once(clock):
     err = WaitError()
     teach(err, clock, [2.0] * MIN_SAMPLES)
     assert err.margin(10.0) == pytest.approx(2.0)
     clock.now += wait_error.HORIZON_S + 10
     assert err.margin(10.0) == pytest.approx(1.0) and err.samples() == 0  # a quiet while: the prior again
     err.first_entry("never-admitted-here")
-    teach(err, clock, [4.0], projected=0.0)  # projected to start at once: nothing learned of waits
     job = JobRequest(prompt="x")
     err.admitted(job, 3.0)
     err.submitted(["a"], [job])
     err.first_entry("a")
     err.first_entry("a")  # the same job's later entries count once
     assert err.samples() == 1
+    # projected to start at once, it came 1.5 s late (slots taken since the heartbeat): learned too
+    teach(err, clock, [1.5], projected=0.0)
+    assert err.samples() == 2 and err.margin(10.0) == pytest.approx(1.5)
 
 
 def test_backpressure_admits_up_to_the_bound_less_the_learned_margin(clock):
