@@ -181,7 +181,7 @@ class StreamSettings(Group):
     """Token streams and job results in Redis: their length, write pace and lifetimes."""
 
     maxlen: int = Field(100_000, alias="STREAM_MAXLEN")  # entries kept per token stream
-    # a stream is written at most this often (its first token at once)
+    # a stream's tokens are held at most this long (its first token not at all)
     flush_ms: float = Field(50.0, ge=0, alias="STREAM_FLUSH_MS")
     ttl_s: int = Field(3600, alias="STREAM_TTL_S")  # a stream expires this long after its end (or 1 day after start)
     result_ttl_s: int = 86_400

@@ -16,7 +16,7 @@ worker queues, LoRA, the recovery lock) live on the first, the home (app/token_p
       {"type": "token", "i": first index, "n": count, "text": the deltas joined, "id": "5,6,7",
        "len": each delta's length in Unicode code points, "5,0,2", "ts": the first one's emit time}
           several tokens of a job in one entry (a worker holds a stream's tokens up to
-          STREAM_FLUSH_MS after its last write: fewer entries per token for Redis and readers);
+          STREAM_FLUSH_MS: fewer entries per token for Redis and readers);
           `token_parts` splits it into the one-token form; tokens with "lp" are never joined
       {"type": "end", "reason": ..., "result": JSON}     the last entry of a finished job
       {"type": "error", "message": ..., "field": ...}    the last entry of a failed job

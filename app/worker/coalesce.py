@@ -1,10 +1,14 @@
-"""A stream writer's held tokens: each stream is written at most once per flush interval
-(STREAM_FLUSH_MS), its first token at once, and the tokens it held in between go as one entry.
+"""A stream writer's held tokens: a stream's tokens wait at most one flush interval (STREAM_FLUSH_MS),
+its first token not at all, and the tokens it held in between go as one entry.
 
 Redis, the gateway and every reader pay per entry, not per token: a job streaming 60 tokens/s in
 entries of 3 costs a third of what one entry per token does, while a reader still sees its first
 token as soon as the engine emits it and the rest within one interval. A writer that lags behind the
 engine joins the steps that waited for it the same way, at any interval (0 included).
+
+Redis and every reader also pay per write (a script call, a tick, a reader woken per shard), so a write
+takes along every stream that has held its tokens for half an interval (TAKE_ALONG): streams that began
+at different moments fall into step with each other instead of each being written on its own clock.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from weightq.tasks.contract import END_TYPES, job_of_stream
 Entry = tuple
 Write = tuple[list[Entry], dict[str, int]]  # entries and the fences (job -> attempt) they go under
 PRUNE_AT = 4096  # streams remembered before the ones idle past the interval are forgotten
+TAKE_ALONG = 0.5  # a write takes the streams due within this part of an interval
 
 
 @dataclass(slots=True)
@@ -72,13 +77,17 @@ class Holding:
 
     def due(self, *, everything: bool = False, now_s: float | None = None) -> list[Write]:
         """What to write now (all of it when the writer closes): usually one write, each stream's
-        plain tokens in a row joined into one entry."""
+        plain tokens in a row joined into one entry. When anything is due, the streams due within
+        TAKE_ALONG of an interval go along with it."""
         now_s = time.monotonic() if now_s is None else now_s
         writes, self._early = self._early, []
         entries: list[Entry] = []
         fences: dict[str, int] = {}
+        until = float("inf") if everything else now_s
+        if self._held and not everything and min(h.due_s for h in self._held.values()) <= now_s:
+            until = now_s + TAKE_ALONG * self.interval_s
         for key, held in list(self._held.items()):
-            if not everything and held.due_s > now_s:
+            if held.due_s > until:
                 continue
             del self._held[key]
             entries += _joined(held.entries)

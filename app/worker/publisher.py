@@ -55,7 +55,7 @@ class StreamPublisher:
         self, plane: TokenPlane, *, maxlen: int, ttl_s: int, job_ttl_s: int = 86_400, flush_s: float = 0.0
     ) -> None:
         self.plane = plane
-        self.flush_s = flush_s  # a stream is written at most this often, its first token at once (`Holding`)
+        self.flush_s = flush_s  # a stream's tokens are held at most this long, its first token not at all (`Holding`)
         self.maxlen = maxlen
         self.ttl_s = ttl_s
         self.job_ttl_s = job_ttl_s

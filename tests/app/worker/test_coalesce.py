@@ -36,7 +36,7 @@ def tok(job: str, i: int, text: str = "x", stamp: str = "1.000000") -> tuple:
     return stream_key(job), (i, text, 100 + i, stamp)
 
 
-def test_a_stream_is_written_at_once_then_at_most_once_per_interval_its_tokens_joined():
+def test_a_stream_is_written_at_once_then_within_an_interval_its_tokens_joined():
     h = Holding(0.05)
     h.add([tok("a", 0, "hé")], {"a": 1}, now_s=10.0)
     assert h.due(now_s=10.0) == [([tok("a", 0, "hé")], {"a": 1})]  # the first token: at once
@@ -50,6 +50,26 @@ def test_a_stream_is_written_at_once_then_at_most_once_per_interval_its_tokens_j
     (write,) = h.due(now_s=10.05)
     assert write == ([(stream_key("a"), (1, 2, "b", "101,102", "1,0", "1.000000"))], {"a": 1})
     assert h.wait_s() is None
+
+
+def test_a_write_takes_along_the_streams_due_within_half_an_interval_so_streams_fall_into_step():
+    h = Holding(0.1)
+    for n, job in enumerate("abc"):  # three streams begun 20 ms apart: each first token at once
+        h.add([tok(job, 0)], {job: 1}, now_s=1.0 + 0.02 * n)
+        assert h.due(now_s=1.0 + 0.02 * n) == [([tok(job, 0)], {job: 1})]
+    h.add([tok("a", 1), tok("b", 1), tok("c", 1)], {"a": 1, "b": 1, "c": 1}, now_s=1.05)
+    assert h.due(now_s=1.09) == [] and h.wait_s(now_s=1.09) == pytest.approx(0.01)  # a is due at 1.1
+    (write,) = h.due(now_s=1.1)  # b (due 1.12) and c (1.14) go along with a
+    assert [e[0] for e in write[0]] == [stream_key(j) for j in "abc"]
+    h.add([tok("a", 2), tok("b", 2), tok("c", 2)], {"a": 1, "b": 1, "c": 1}, now_s=1.15)
+    assert h.due(now_s=1.19) == []  # from now on one write for the three, once per interval
+    assert len(h.due(now_s=1.2001)[0][0]) == 3
+    h.add([tok("d", 0)], {"d": 1}, now_s=1.21)  # a new stream's first token takes nothing along...
+    h.add([tok("a", 3)], {"a": 1}, now_s=1.21)
+    assert h.due(now_s=1.21) == [([tok("d", 0)], {"d": 1})]
+    h.add([tok("d", 1)], {"d": 1}, now_s=1.26)
+    (write,) = h.due(now_s=1.3001)  # ...until the others are due: then it joins them
+    assert [e[0] for e in write[0]] == [stream_key("a"), stream_key("d")]
 
 
 def test_an_end_or_a_logprob_token_goes_at_once_after_what_was_held_and_a_new_run_is_not_joined():
