@@ -12,6 +12,8 @@ shard would move under it): add shards on a drained plane (README, "The token pl
 
 from __future__ import annotations
 
+import random
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -40,6 +42,22 @@ class TokenPlane:
 
     def index(self, job_id: str) -> int:
         return shard_of(job_id, len(self.shards))
+
+    def new_id(self, span: tuple[float, float] | None = None) -> str:
+        """A fresh job id, on a shard drawn from `span` (a range of shard positions, `Router.shard_span`)
+        when there are several: the jobs a worker is sent then live on one or two shards, so each of
+        its writes goes to few servers, and a shard's writes come from its share of the workers (the
+        per-write cost, not only the per-token one, divides by the shards). A hint, not a rule: any
+        worker can run any job, on whatever shard its id names."""
+        job_id = uuid.uuid4().hex
+        n = len(self.shards)
+        if n == 1 or span is None:
+            return job_id
+        lo, hi = span
+        shard = min(n - 1, int(lo + random.random() * (hi - lo)))
+        while shard_of(job_id, n) != shard:  # n draws on average, each a CRC32 of 32 characters
+            job_id = uuid.uuid4().hex
+        return job_id
 
     def of(self, job_id: str) -> redis.Redis:
         """The client of the shard that holds the job's keys."""

@@ -69,21 +69,22 @@ def inproc(work, runner: dict) -> tuple[float, dict]:
     return sum(r.completion_tokens for r in results) / elapsed, cpu
 
 
-def follow(url: str, ids: list[str], out: Connection) -> None:
+def follow(url: str, ids: list[str] | None, out: Connection) -> None:
     """One reader for every stream, in a process of its own (as a gateway is: sharing the
     submitting client's GIL added its switch interval to every read): XREAD over all unfinished keys
     until each has ended, then the latencies (read time - emit stamp) go back over `out`. Between reads it
     blocks on the workers' STREAM_TICK stream and reads the streams its ticks name (all of them when
     none came, or some may be trimmed), and replies are read as hiredis parses them (app/redis_conn.py:
-    raw_xread), as the gateway's hub does."""
+    raw_xread), as the gateway's hub does. `ids` None: they come over `out` (duplex) after "ready", for
+    jobs whose ids the client draws at submission."""
     r = redis.Redis.from_url(url, socket_timeout=30)
     raw_xread(r)
     r.ping()
     latencies: list[float] = []
-    last = {stream_key(i): "0-0" for i in ids}
     token, ends = EntryType.TOKEN.encode(), {t.encode() for t in END_TYPES}
     cpu0 = cpu_s()  # the reader's own work, not its start-up imports
     out.send("ready")
+    last = {stream_key(i): "0-0" for i in (out.recv() if ids is None else ids)}
     tick, named = "0-0", None  # None: read every unfinished stream
     while last:
         streams = last if named is None else {k: last[k] for k in named if k in last}

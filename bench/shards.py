@@ -4,9 +4,10 @@
 
 One stack per shard count, side by side: Celery's broker on a Redis of its own, the token plane on 1, 2
 or 3 others, --workers `weightq worker` processes on the simulated device (RUNNER=simulated). Rounds
-alternate the stacks; each submits --jobs jobs of --tokens new tokens through the Client, and one reader
-process per shard follows that shard's streams as a gateway's hub does (XREAD of its unfinished streams,
-blocking on its STREAM_TICK). Each shard's Redis CPU (INFO cpu) is read from the submit to the last end.
+alternate the stacks; each submits --jobs jobs of --tokens new tokens through the Client (distinct
+prompts, so prefix affinity spreads them over the workers' own queues, and the client draws each id on
+a shard of the worker it is sent to: `TokenPlane.new_id`), and one reader process per shard follows that
+shard's streams as a gateway's hub does (XREAD of its unfinished streams, blocking on its STREAM_TICK). Each shard's Redis CPU (INFO cpu) is read from the submit to the last end.
 
 This machine has two cores, fewer than the stack's processes, so the streamed tokens/s measured here is the
 workers' and readers' limit, not Redis': what a plane *sustains* is computed from the Redis CPU instead. A
@@ -90,23 +91,20 @@ def start_stack(shards: int, home: Path, args) -> ShardedStack:
 
 
 def run_round(stack: ShardedStack, client: Client, n: int, tokens: int, tag: str) -> dict:
-    ids = [f"{tag}-{i}" for i in range(n)]
     spawn = multiprocessing.get_context("spawn")
     readers = []
-    for shard, plane in enumerate(stack.planes):
-        mine = [j for j in ids if shard_of(j, stack.shards) == shard]
-        results, sender = spawn.Pipe(duplex=False)
-        proc = spawn.Process(target=follow, args=(plane.url, mine, sender), daemon=True)
+    for plane in stack.planes:
+        results, sender = spawn.Pipe()
+        proc = spawn.Process(target=follow, args=(plane.url, None, sender), daemon=True)
         proc.start()
         if not results.poll(60) or results.recv() != "ready":
             raise RuntimeError("a stream reader did not start")
         readers.append((proc, results))
-    requests = [
-        {"prompt": f"shards {i % 7}", "max_new_tokens": tokens, "ignore_eos": True, "request_id": job_id}
-        for i, job_id in enumerate(ids)
-    ]
+    requests = [{"prompt": f"{tag} {i}", "max_new_tokens": tokens, "ignore_eos": True} for i in range(n)]
     cpu0, t0 = stack.cpu(), time.perf_counter()
-    client.submit_many(requests)
+    ids = [job.id for job in client.submit_many(requests)]  # the client draws each id (`TokenPlane.new_id`)
+    for shard, (_, results) in enumerate(readers):
+        results.send([j for j in ids if shard_of(j, stack.shards) == shard])
     streamed = 0
     for _proc, results in readers:
         if not results.poll(900):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -318,11 +317,16 @@ class Client:
             check_servable(jobs, structured, self.settings.queues.queue, adapters)
         if not checked:  # the gateway checks once per HTTP request, before its choices are parsed apart
             self.backpressure.admit(jobs)
-        ids = [job.request_id or uuid.uuid4().hex for job in jobs]
+        s = self.settings
+        queues = retrying(lambda: self.router.queues(jobs), s.redis.retry_s, pause_s=0.2)
+        shards = len(self.plane)
+        ids = [
+            job.request_id or self.plane.new_id(self.router.shard_span(queue, shards))
+            for job, queue in zip(jobs, queues, strict=True)
+        ]
         self.backpressure.submitted(ids, jobs)
         wire = [job.to_json() for job in jobs]
         now = repr(time.time())
-        s = self.settings
         calls: dict[int, list] = {}
         for job_id, r, job in zip(ids, wire, jobs, strict=True):
             call = ([job_key(job_id), QUEUED], [json.dumps(r), now, s.stream.result_ttl_s, job_id, job.tenant])
@@ -335,7 +339,6 @@ class Client:
         for shard, shard_calls in calls.items():  # a retry re-runs a shard's calls: SUBMIT is idempotent
             run = self.plane.durables[shard].run_many
             retrying(lambda run=run, c=shard_calls: run(self.submit_script, c), s.redis.retry_s, pause_s=0.2)
-        queues = retrying(lambda: self.router.queues(jobs), s.redis.retry_s, pause_s=0.2)
         retrying(lambda: self._publish(ids, jobs, wire, queues), s.redis.retry_s, pause_s=0.2)
         return [Job(self, job_id) for job_id in ids]
 

@@ -61,6 +61,20 @@ class Router:
         self.workers()
         return set(self._adapters) if self._live else None
 
+    def shard_span(self, queue: str, shards: int) -> tuple[float, float] | None:
+        """Where the ids of jobs sent to `queue` should live among `shards` token-plane shards (for
+        `TokenPlane.new_id`): the live workers in name order are laid end to end over the shards, the
+        i-th of n on [i, i + 1) * shards / n, so each worker writes to one or two shards and each
+        shard carries an equal share of the workers. None for the shared queue (any worker takes
+        from it) or a queue no live worker owns."""
+        workers = self._workers
+        if shards < 2 or queue not in workers.values():
+            return None
+        names = sorted(workers)
+        i = next(n for n, name in enumerate(names) if workers[name] == queue)
+        per = shards / len(names)
+        return i * per, (i + 1) * per
+
     def queues(self, jobs: Sequence[JobRequest]) -> list[str]:
         """The queue of each job, in order."""
         s = self.conf

@@ -15,6 +15,7 @@ from weightq.settings import Settings
 from weightq.tasks.affinity import rendezvous, route_key
 from weightq.tasks.contract import HEARTBEATS, WORKER_QUEUES, job_key, lease_key, worker_queue
 from weightq.tasks.request import JobRequest
+from weightq.token_plane import TokenPlane
 from weightq.transport import priority_queues, waiting_counts
 from weightq.worker.affinity import Affinity
 
@@ -123,6 +124,28 @@ def test_the_router_sends_a_prefix_to_its_worker_until_the_backlog_then_to_the_s
     assert Router(r, r, s).queues(jobs[-1:]) == [queue]
     off = Settings(redis_url=redis_url, affinity=False).queues
     assert Router(r, r, off).queues(jobs) == [queue] * len(jobs)
+
+
+def test_fresh_ids_live_on_the_shards_of_the_worker_they_are_routed_to(redis_url):
+    """Each worker's jobs on one or two token-plane shards, each shard with an equal share of workers."""
+    r = redis.Redis.from_url(redis_url)
+    r.flushall()
+    s = Settings(redis_url=redis_url).queues
+    names = ["a@t", "b@t", "c@t"]
+    for n in names:
+        heartbeat(r, n, worker_queue(s.queue, n))
+    router = Router(r, r, s)
+    router.workers()
+    own = [worker_queue(s.queue, n) for n in names]
+    assert [router.shard_span(q, 3) for q in own] == [(0, 1), (1, 2), (2, 3)]
+    assert router.shard_span(own[1], 2) == pytest.approx((2 / 3, 4 / 3))
+    assert router.shard_span(s.queue, 3) is None and router.shard_span(own[0], 1) is None
+    plane = TokenPlane([r, r, r], Settings(redis_url=redis_url).redis)
+    assert {plane.index(plane.new_id((1, 2))) for _ in range(50)} == {1}
+    straddling = [plane.index(plane.new_id((2 / 3, 4 / 3))) for _ in range(400)]
+    assert set(straddling) == {0, 1} and 120 < straddling.count(0) < 280  # half of its jobs on each
+    assert len({plane.index(plane.new_id()) for _ in range(100)}) == 3  # no span: any shard
+    assert TokenPlane([r], Settings(redis_url=redis_url).redis).new_id((0.5, 1)) != plane.new_id()
 
 
 def test_affine_routing_stealing_and_a_killed_workers_queue(service):
