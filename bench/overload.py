@@ -80,6 +80,7 @@ class Load:
         self.refused_requests = 0
         self.requests = 0
         self.errors = 0
+        self.dropped = 0  # of the errors: connections dropped before the response ended
         self.refusals: list[int] = []  # per refused request: how many times it was refused
         self.sleeping: dict[int, float] = {}  # request -> the Retry-After it sleeps (progress lines)
         self.reading = 0
@@ -88,40 +89,49 @@ class Load:
         self.requests += 1
         body = {"model": "builtin:tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": True}
         first_refusal: float | None = None
-        promised, refusals = 0.0, 0
+        promised, refusals, reading = 0.0, 0, False
         while True:
             t0 = time.monotonic()
-            async with http.stream("POST", self.base + "/v1/completions", json=body) as r:
-                if r.status_code == 429:
-                    self.refusal_s.append(time.monotonic() - t0)
-                    await r.aread()
-                    after = float(r.headers.get("retry-after", "1"))
-                    refusals += 1
-                    if first_refusal is None:
-                        first_refusal, promised = t0, after
-                        self.refused_requests += 1
-                    self.sleeping[id(body)] = after
-                    await asyncio.sleep(after)
-                    self.sleeping.pop(id(body), None)
-                    continue
-                if r.status_code != 200:
-                    self.errors += 1
-                    await r.aread()
+            try:
+                async with http.stream("POST", self.base + "/v1/completions", json=body) as r:
+                    if r.status_code == 429:
+                        self.refusal_s.append(time.monotonic() - t0)
+                        await r.aread()
+                        after = float(r.headers.get("retry-after", "1"))
+                        refusals += 1
+                        if first_refusal is None:
+                            first_refusal, promised = t0, after
+                            self.refused_requests += 1
+                        self.sleeping[id(body)] = after
+                        await asyncio.sleep(after)
+                        self.sleeping.pop(id(body), None)
+                        continue
+                    if r.status_code != 200:
+                        self.errors += 1
+                        await r.aread()
+                        return
+                    self.reading += 1
+                    reading = True
+                    lines = r.aiter_lines()
+                    async for line in lines:
+                        if line.startswith("data: {"):
+                            self.ttft.append(time.monotonic() - t0)
+                            (self.ttft_fresh if first_refusal is None else self.ttft_retried).append(self.ttft[-1])
+                            if first_refusal is not None:
+                                self.retry_ratio.append((t0 - first_refusal) / promised)
+                                self.refusals.append(refusals)
+                            break
+                    async for _ in lines:
+                        pass
                     return
-                self.reading += 1
-                lines = r.aiter_lines()
-                async for line in lines:
-                    if line.startswith("data: {"):
-                        self.ttft.append(time.monotonic() - t0)
-                        (self.ttft_fresh if first_refusal is None else self.ttft_retried).append(self.ttft[-1])
-                        if first_refusal is not None:
-                            self.retry_ratio.append((t0 - first_refusal) / promised)
-                            self.refusals.append(refusals)
-                        break
-                async for _ in lines:
-                    pass
-                self.reading -= 1
+            except httpx.TransportError:  # a connection dropped (e.g. closed idle as a request went out)
+                self.errors += 1
+                self.dropped += 1
                 return
+            finally:
+                if reading:
+                    self.reading -= 1
+                    reading = False
 
     async def run(self) -> None:
         limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
@@ -150,6 +160,7 @@ class Load:
         out = {
             "requests": self.requests,
             "errors": self.errors,
+            "dropped_connections": self.dropped,
             "ttft_p50_s": pct(self.ttft, 0.5),
             "ttft_p99_s": pct(self.ttft, 0.99),
         }

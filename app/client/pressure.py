@@ -54,7 +54,7 @@ class Backpressure:
         self._promised: list[tuple[float, int]] = []  # (unix s a refused job was told to return, class)
         # a fresh job is let in while its projected wait is within the bound less this margin
         self.error = WaitError()
-        self._margin = self.error.margin(conf.max_queue_wait_s)  # the prior, until samples come
+        self._margin = self.margin()  # the prior, until samples come
 
     def submitted(self, ids: Sequence[str], jobs: Sequence[JobRequest]) -> None:
         """The ids of jobs admitted here: their first entries (first_entry) teach the margin."""
@@ -64,6 +64,7 @@ class Backpressure:
         self.error.first_entry(job_id)
 
     def margin(self) -> float:
+        """What is taken off the bound now (`WaitError.margin`: learned from late first entries)."""
         return self.error.margin(self.conf.max_queue_wait_s)
 
     def projection(self) -> Projection:
@@ -71,7 +72,7 @@ class Backpressure:
             if self._projection is None or time.monotonic() - self._taken > self.REFRESH_S:
                 self._projection, self._taken = self._project(), time.monotonic()
                 self._since.clear()
-                self._margin = self.error.margin(self.conf.max_queue_wait_s)
+                self._margin = self.margin()
             return self._projection
 
     def _project(self) -> Projection:
