@@ -7,7 +7,8 @@ or 3 others, --workers `weightq worker` processes on the simulated device (RUNNE
 alternate the stacks; each submits --jobs jobs of --tokens new tokens through the Client (distinct
 prompts, so prefix affinity spreads them over the workers' own queues, and the client draws each id on
 a shard of the worker it is sent to: `TokenPlane.new_id`), and one reader process per shard follows that
-shard's streams as a gateway's hub does (XREAD of its unfinished streams, blocking on its STREAM_TICK). Each shard's Redis CPU (INFO cpu) is read from the submit to the last end.
+shard's streams as a gateway's hub does (XREAD of its unfinished streams, blocking on its STREAM_TICK).
+Each shard's Redis CPU (INFO cpu) is read from the submit to the last end.
 
 This machine has two cores, fewer than the stack's processes, so the streamed tokens/s measured here is the
 workers' and readers' limit, not Redis': what a plane *sustains* is computed from the Redis CPU instead. A
