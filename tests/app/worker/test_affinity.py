@@ -5,6 +5,8 @@ worker's queued jobs run elsewhere; AFFINITY=0 keeps the single queue."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import pytest
@@ -192,12 +194,17 @@ def test_affine_routing_stealing_and_a_killed_workers_queue(service):
         assert job.result(timeout=120)["finish_reason"] == "length"
 
     # the small worker dies holding a backlog in its own queue: every job still runs, on the other
-    jobs = client.submit_many([{"prompt": to_small + f" last {i}", "max_new_tokens": 48} for i in range(8)])
-    deadline = time.monotonic() + 30
-    while not small.stats().get("active_jobs") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert waiting_counts(client.redis, [worker_queue("weightq", names[0])])[0] > 0  # queued in its own queue
-    small.kill()
+    # (paused meanwhile, so that it cannot steal the backlog before the small one dies with it)
+    os.killpg(big.proc.pid, signal.SIGSTOP)
+    try:
+        jobs = client.submit_many([{"prompt": to_small + f" last {i}", "max_new_tokens": 48} for i in range(8)])
+        deadline = time.monotonic() + 30
+        while not small.stats().get("active_jobs") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert waiting_counts(client.redis, [worker_queue("weightq", names[0])])[0] > 0  # queued in its own queue
+        small.kill()
+    finally:
+        os.killpg(big.proc.pid, signal.SIGCONT)
     states = [client.redis.hget(job_key(job.id), "state") for job in jobs]
     for job in jobs:
         assert job.result(timeout=120)["usage"]["completion_tokens"] == 48
