@@ -39,3 +39,15 @@ def per_1000_tokens(before: dict, after: dict, tokens: int) -> dict[str, float]:
         if key in before:
             out[label] = out.get(label, 0.0) + 1e6 * (t1 - before[key][1]) / max(tokens, 1)
     return {k: round(v, 2) for k, v in sorted(out.items())}
+
+
+def machine() -> tuple[float, float]:
+    """(busy, total) CPU seconds of every core so far: `machine_busy(before, after)` is the share of
+    the machine's cores in use between two reads (1.0: every core busy, whatever ran there)."""
+    t = psutil.cpu_times()
+    total = sum(t)
+    return total - t.idle - getattr(t, "iowait", 0.0), total
+
+
+def machine_busy(before: tuple[float, float], after: tuple[float, float]) -> float:
+    return round((after[0] - before[0]) / max(after[1] - before[1], 1e-9), 3)

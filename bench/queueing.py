@@ -7,7 +7,8 @@ A real Redis, the HTTP gateway, `weightq batch` as a user runs it (default flags
 on the simulated device (RUNNER=simulated: a step of SIM_STEP_COST's time, the GIL free as during a GPU
 kernel, so capacity is known and the two cores stay for the serving path). Interactive callers are
 streaming chat completions through the gateway, one every 0.5 s, 16 tokens; TTFT is the time to the
-first token's SSE event.
+first token's SSE event. Every HTTP client is bench/lean_http.py's (httpx's CPU on a thousand streams
+was the flood's own, on the two cores the stack shares).
 
 - batch: interactive TTFT p50/p99 alone, then while a 3,000-line `weightq batch` (no flags: background)
   runs; the batch's lines/s alone and with the interactive load. Target: TTFT p99 <= max(1.5x solo,
@@ -15,8 +16,9 @@ first token's SSE event.
 - tenants: two API keys in one class; one floods `--flood` streaming completions at once, the other
   sends one every 0.5 s. The light tenant's TTFT alone and beside the flood, through a gateway with fair
   staging (FAIR_QUEUE, the default) and one without (first come, first served), on the same workers;
-  the flood's completions/s with each. Target: light TTFT p99 <= max(2x solo, 0.5 s), throughput >= 0.95x
-  of first come, first served.
+  the flood's completions/s with each, and `machine_cpu_busy`: the share of the machine's cores in use
+  meanwhile (near 1.0 every stage of the stack, and the clients, wait for a core). Target: light TTFT
+  p99 <= max(2x solo, 0.5 s), throughput >= 0.95x of first come, first served.
 - workers: each worker's share of busy time while anything waited, and the seconds workers idled
   while a queue they take from held a job (`idle_queued_s`, sampled every 0.25 s).
 - --shared-prompt N: every batch line starts with the same N-character instruction and the workers keep
@@ -40,11 +42,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import redis
 from weightq.cli.processes import ROOT, GatewayProcess, WorkerProcess
 from weightq.cli.redis_server import EmbeddedRedis
 from weightq.tasks.contract import EntryType, decode_fields, job_key, stream_key
+
+from . import cputime
+from .lean_http import LeanHttp
 
 STEP_S = 0.02
 WORKER = {
@@ -63,20 +67,28 @@ def pct(xs: list[float], q: float) -> float:
 SUBMITTED: dict[str, tuple[float, float]] = {}  # a light request's job id -> (sent, first token read), unix s
 
 
-async def first_token(http: httpx.AsyncClient, base: str, key: str, body: dict) -> float | None:
+async def first_token(http: LeanHttp, key: str, body: dict) -> float | None:
     """Seconds to the first token of one streaming request (None: it failed); reads it to the end."""
     t0, sent = time.monotonic(), time.time()
     ttft = None
-    headers = {"Authorization": f"Bearer {key}"}
-    async with http.stream("POST", base + body.pop("_route"), json=body, headers=headers) as r:
-        if r.status_code != 200:
-            await r.aread()
+    try:
+        r = await http.post(body.pop("_route"), body, {"Authorization": f"Bearer {key}"})
+    except OSError:
+        return None
+    try:
+        if r.status != 200:
             return None
-        async for line in r.aiter_lines():
-            if ttft is None and line.startswith("data: {"):
+        async for _, line in r.lines():
+            if line.startswith(b"data: {"):
                 ttft = time.monotonic() - t0
                 if key == "light-key":
                     SUBMITTED[json.loads(line[6:])["id"].split("-", 1)[1]] = (sent, time.time())
+                break
+        await r.drain()
+    except (OSError, asyncio.IncompleteReadError):
+        return None
+    finally:
+        r.close()
     return ttft
 
 
@@ -115,16 +127,16 @@ def chat(i: int) -> dict:
 async def interactive(base: str, until, key: str = "light-key") -> list[float]:
     """One chat request every INTERACTIVE_EVERY_S until `until()` is true; their TTFTs."""
     out: list[float] = []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as http:
-        tasks, i = [], 0
-        start = time.monotonic()
-        while not until():
-            tasks.append(asyncio.create_task(first_token(http, base, key, chat(i))))
-            i += 1
-            await asyncio.sleep(max(0.0, start + i * INTERACTIVE_EVERY_S - time.monotonic()))
-        for t in await asyncio.gather(*tasks):
-            if t is not None:
-                out.append(t)
+    http = LeanHttp(base)
+    tasks, i = [], 0
+    start = time.monotonic()
+    while not until():
+        tasks.append(asyncio.create_task(first_token(http, key, chat(i))))
+        i += 1
+        await asyncio.sleep(max(0.0, start + i * INTERACTIVE_EVERY_S - time.monotonic()))
+    for t in await asyncio.gather(*tasks):
+        if t is not None:
+            out.append(t)
     return out
 
 
@@ -191,17 +203,13 @@ def flood(base: str, n: int, results) -> None:
     reading never delays the light tenant's clock); puts (seconds to finish all, failures)."""
 
     async def run() -> tuple[float, int]:
-        limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=n + 10)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as http:
-            t0 = time.monotonic()
-            body = {"_route": "/v1/completions", "model": "builtin:tiny", "stream": True, "max_tokens": 64}
-            outs = await asyncio.gather(
-                *(
-                    first_token(http, base, "flood-key", body | {"prompt": f"flood {i}: " + "go on " * 10})
-                    for i in range(n)
-                )
-            )
-            return time.monotonic() - t0, sum(o is None for o in outs)
+        http = LeanHttp(base)
+        t0 = time.monotonic()
+        body = {"_route": "/v1/completions", "model": "builtin:tiny", "stream": True, "max_tokens": 64}
+        outs = await asyncio.gather(
+            *(first_token(http, "flood-key", body | {"prompt": f"flood {i}: " + "go on " * 10}) for i in range(n))
+        )
+        return time.monotonic() - t0, sum(o is None for o in outs)
 
     results.put(asyncio.run(run()))
 
@@ -210,15 +218,17 @@ def tenants(base: str, n: int, solo_s: float, r: redis.Redis) -> dict:
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     proc = ctx.Process(target=flood, args=(base, n, results))
+    cpu = cputime.machine()
     proc.start()
     time.sleep(1.0)  # the flood is queued
     light = asyncio.run(interactive(base, lambda: not proc.is_alive() or not results.empty()))
     took, failed = results.get()
+    busy = cputime.machine_busy(cpu, cputime.machine())
     proc.join()
     split = light_split(r)
     return {"light_ttft_p50_s": pct(light, 0.5), "light_ttft_p99_s": pct(light, 0.99), "light_requests": len(light),
             **split,
-            "flood_jobs_s": round(n / took, 2), "flood_failed": failed}  # fmt: skip
+            "flood_jobs_s": round(n / took, 2), "flood_failed": failed, "machine_cpu_busy": busy}  # fmt: skip
 
 
 def worker_report(workers: list[WorkerProcess]) -> dict:

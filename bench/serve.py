@@ -47,56 +47,13 @@ from weightq.tasks.contract import EntryType, job_key, stream_key
 
 from . import cputime
 from .engine import requests, workload
+from .lean_http import LeanHttp
 from .peer_client import omp_bind, peer_problem, peer_python
 
 BUDGET = 65536  # KV tokens: every request of 256 fits at once; 1,024 queue behind it on both sides
 
 
-class _Http:
-    """A lean HTTP/1.1 client for one streaming POST per connection: httpx spent about half of this
-    process's CPU on 256 streams (its pool scans every connection on each close), on the cores the
-    servers under test share. The same client drives weightq and vLLM."""
-
-    def __init__(self, base: str) -> None:
-        host, _, port = base.removeprefix("http://").partition(":")
-        self.host, self.port = host, int(port)
-
-    async def stream(self, path: str, body: dict):
-        """Yields (arrival time, SSE line) after an HTTP 200; raises RuntimeError on another status."""
-        reader, writer = await asyncio.open_connection(self.host, self.port)
-        try:
-            payload = json.dumps(body).encode()
-            writer.write(
-                f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
-                + payload
-            )
-            head = await reader.readuntil(b"\r\n\r\n")
-            status = int(head.split(b" ", 2)[1])
-            if status != 200:
-                raise RuntimeError(f"HTTP {status}: {(await reader.read(300))!r}")
-            chunked = b"transfer-encoding: chunked" in head.lower()
-            buf = b""
-            while True:
-                if chunked:
-                    size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-                    if size == 0:
-                        return
-                    part = (await reader.readexactly(size + 2))[:-2]
-                else:
-                    part = await reader.read(65536)
-                    if not part:
-                        return
-                now = time.time()
-                buf += part
-                *lines, buf = buf.split(b"\n")  # SSE lines end at b"\n" only (not at U+2028 and kin)
-                for line in lines:
-                    yield now, line
-        finally:
-            writer.close()
-
-
-async def _one(client: _Http, model: str, ids: list[int], n: int) -> dict:
+async def _one(client: LeanHttp, model: str, ids: list[int], n: int) -> dict:
     body = {"model": model, "prompt": ids, "max_tokens": n, "temperature": 0, "stream": True, "ignore_eos": True}
     sent = time.time()
     arrivals: list[float] = []
@@ -125,7 +82,7 @@ async def _one(client: _Http, model: str, ids: list[int], n: int) -> dict:
 
 
 async def _drive(base: str, model: str, work) -> list[dict]:
-    client = _Http(base)
+    client = LeanHttp(base)
     return await asyncio.gather(*(_one(client, model, ids, n) for ids, n in work))
 
 
