@@ -106,3 +106,30 @@ def test_a_listed_token_plane_is_sharded_by_job_id_home_first():
     assert all(plane.index(j) == n for n, part in split.items() for j in part)
     assert plane.of("job-7") is plane.shards[shard_of("job-7", 3)]
     assert plane.durable("job-7") is plane.durables[shard_of("job-7", 3)]
+
+
+def test_commands_packed_in_c_are_the_bytes_redis_py_packs_and_refuse_what_it_refuses(redis_url):
+    from redis._parsers.encoders import Encoder
+    from redis.connection import PythonRespSerializer
+    from weightq.redis_conn import CPacker
+
+    python = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+    packer = CPacker()
+    for args in [
+        ("EVALSHA", "a" * 40, 2, "k1", "k2", 0, -1, 2**70, 0.1 + 0.2, 1e-05, float("inf"), "é ✓", b"\x00\xff"),
+        ("CLIENT SETNAME", "n"),  # redis-py splits a command name given with its subcommand
+        (b"XINFO STREAM", "s"),
+        ("SET", "k", memoryview(b"v")),  # not hiredis' to pack: redis-py's way
+        ("SET", "k", bytearray(b"v")),
+    ]:
+        assert b"".join(packer.pack(*args)) == b"".join(python.pack(*args)), args
+    with pytest.raises(redis.DataError, match="bool"):
+        packer.pack("SET", "k", True)
+    r = connect(redis_url, Settings(redis_url=redis_url).redis)
+    assert isinstance(r.connection_pool.connection_kwargs["command_packer"], CPacker)  # every client we open
+    pipe = r.pipeline(transaction=False)
+    pipe.set("packed", "é").get("packed").xadd("packed-s", {"n": 1.5, "t": "x y"})
+    assert pipe.execute()[:2] == [True, "é".encode()]
+    assert r.xrange("packed-s")[0][1] == {b"n": b"1.5", b"t": b"x y"}
+    r.execute_command("CLIENT SETNAME", "weightq-test")
+    assert r.client_getname() in ("weightq-test", b"weightq-test")  # redis-py decodes this one
