@@ -1,7 +1,7 @@
 """Many token streams read over one Redis connection, for asyncio servers (the HTTP gateway).
 
 A blocked XREAD per HTTP client would need a Redis connection per client; the hub instead keeps one
-reader task that XREADs every followed stream at once and hands entries to per-follower queues.
+reader task that XREADs every followed stream at once and hands entries to each follower.
 Between reads it blocks on the workers' STREAM_TICK stream (one entry per batch they write), not on every
 followed stream. A follower that registers while the hub waits is picked up on the next round (the
 wait is short), and it reads from its own `last_id`, so nothing written before it registered is missed.
@@ -28,10 +28,29 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True, eq=False)
 class _Follower:
+    """What the hub handed one follower and it has not taken yet. A list and one future for the wait,
+    not an asyncio.Queue: a put and a get per entry cost more than the rest of the hand-over."""
+
     last_id: str
-    queue: asyncio.Queue
-    idle_s: float | None  # None: no timeout, or its TimeoutError is already queued
+    idle_s: float | None  # None: no timeout, or its TimeoutError is already given
     seen: float  # loop time of its registration or last entry
+    items: list = field(default_factory=list)  # (entry id, fields), and an exception to raise last
+    waiter: asyncio.Future | None = None  # set while the follower waits for items
+
+    def give(self, items: list) -> None:
+        self.items += items
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take(self) -> list:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        items, self.items = self.items, []
+        return items
 
 
 @dataclass(slots=True, eq=False)
@@ -43,14 +62,15 @@ class _Shard:
 
 
 FULL_EVERY_S = 0.25  # every followed stream is read at least this often (entries written without a tick)
+# hiredis decodes the replies in C (redis-py's decoding, or ours per field, was a tenth of the hub's time);
+# a token's text is the worker's valid UTF-8, and anything else becomes U+FFFD rather than an error
+HUB_CONNECTION = {"socket_timeout": 30, "health_check_interval": 10, "decode_responses": True,
+                  "encoding_errors": "replace"}  # fmt: skip
 
 
 class StreamHub:
     def __init__(self, urls: list[str], conf: RedisSettings, *, block_ms: int = 20, count: int = 256) -> None:
-        self._shards = [
-            _Shard(connect_async(url, conf, socket_timeout=30, health_check_interval=10), {}, asyncio.Event())
-            for url in urls
-        ]
+        self._shards = [_Shard(connect_async(url, conf, **HUB_CONNECTION), {}, asyncio.Event()) for url in urls]
         for shard in self._shards:
             raw_xread(shard.redis)
         self.block_ms = block_ms
@@ -90,17 +110,14 @@ class StreamHub:
         for `idle_timeout_s` (give or take a quarter of it: one watchdog checks every follower, where
         a timer per wait cost a tenth of the gateway's time per token)."""
         key = stream_key(job_id)
-        queue: asyncio.Queue = asyncio.Queue()
-        me = _Follower(last_id, queue, idle_timeout_s, asyncio.get_running_loop().time())
+        me = _Follower(last_id, idle_timeout_s, asyncio.get_running_loop().time())
         shard = self._shards[shard_of(job_id, len(self._shards))]
         shard.followers.setdefault(key, []).append(me)
         shard.fresh.add(key)
         shard.wake.set()
         try:
             while True:
-                batch = [await queue.get()]
-                while not queue.empty():
-                    batch.append(queue.get_nowait())
+                batch = await me.take()
                 for n, item in enumerate(batch):
                     if isinstance(item, BaseException):
                         if n:
@@ -128,7 +145,7 @@ class StreamHub:
             for f in followers:
                 if f.idle_s is not None and now - f.seen > f.idle_s:
                     f.idle_s = None  # told once
-                    f.queue.put_nowait(TimeoutError())
+                    f.give([TimeoutError()])
 
     async def _read_loop(self, shard: _Shard) -> None:
         """Reads the followed streams that the ticks since the last read name (and new followers'),
@@ -160,15 +177,15 @@ class StreamHub:
                 named = set()
                 if not ticks or len(ticks[0]) >= TICKS_KEPT:
                     everything = True  # no tick (entries written without one?), or some may be trimmed
-                    tick = ticks[0][-1][0].decode() if ticks else tick
+                    tick = ticks[0][-1][0] if ticks else tick
                     continue
-                tick = ticks[0][-1][0].decode()
+                tick = ticks[0][-1][0]
                 for _, raw in ticks[0]:
-                    ids = _field(raw, b"keys")
+                    ids = _field(raw, "keys")
                     if ids is None:  # a writer that names nothing: read everything
                         everything = True
                     elif ids:
-                        named.update(ids.decode().split(" "))
+                        named.update(ids.split(" "))
             except aredis.RedisError as e:  # Redis away: tell nobody yet, retry (followers time out on their own)
                 log.warning("stream hub: %s; retrying", e)
                 everything = True
@@ -177,9 +194,9 @@ class StreamHub:
     def _deliver(self, shard: _Shard, resp, now: float) -> bool:
         """Hands a raw XREAD reply to the followers; True when a stream had more than one read's worth."""
         full = False
-        for raw_key, entries in xread_streams(resp):
+        for key, entries in xread_streams(resp):
             full = full or len(entries) >= self.count
-            followers = shard.followers.get(raw_key.decode())
+            followers = shard.followers.get(key)
             if not followers:
                 continue
             if len(followers) == 1:
@@ -187,25 +204,26 @@ class StreamHub:
                 continue
             for follower in followers:  # each from past its own position
                 after = _position(follower.last_id)
-                _give(follower, [e for e in entries if _position(e[0].decode()) > after], now)
+                _give(follower, [e for e in entries if _position(e[0]) > after], now)
         return full
 
 
 def _give(follower: _Follower, entries: list, now: float) -> None:
     if not entries:
         return
-    put = follower.queue.put_nowait
-    for raw_id, raw in entries:
-        follower.last_id = raw_id.decode()
+    items = []
+    for entry_id, raw in entries:
+        follower.last_id = entry_id
         pairs = iter(raw)
-        fields = {k.decode(): v.decode(errors="replace") for k, v in zip(pairs, pairs, strict=True)}
-        put((follower.last_id, fields))
+        fields = dict(zip(pairs, pairs, strict=True))
+        items.append((entry_id, fields))
         if is_end(fields):
             break
+    follower.give(items)
     follower.seen = now
 
 
-def _field(raw: list, name: bytes) -> bytes | None:
+def _field(raw: list, name: str) -> str | None:
     """A field of a raw stream entry (hiredis' flat [name, value, ...] list)."""
     for k in range(0, len(raw) - 1, 2):
         if raw[k] == name:
