@@ -146,8 +146,8 @@ class CPacker:
     """Packs a command's arguments in C (hiredis). redis-py's own serializer first runs every argument
     through `Encoder.encode` in Python: that was an eighth of a worker's main-process CPU with 256
     streams (each stream-writer script call carries several arguments per token). hiredis writes str
-    (UTF-8), bytes, int and float as redis-py does; anything else (a bool, a memoryview) goes the
-    redis-py way, which refuses a bool by name. One instance serves every connection (no state)."""
+    (UTF-8), bytes, memoryview, int and float as redis-py does; what it refuses (a bool, a bytearray)
+    goes the redis-py way, which refuses a bool by name. One instance serves every connection."""
 
     def __init__(self) -> None:
         from redis._parsers.encoders import Encoder

@@ -102,7 +102,7 @@ class Load:
                 if r.status == 429:
                     self.refusal_s.append(time.monotonic() - t0)
                     after = float(r.headers.get("retry-after", "1"))
-                    r.close()
+                    r.close()  # now: a sleeping client holds no connection of the gateway's
                     refusals += 1
                     if first_refusal is None:
                         first_refusal, promised = t0, after
