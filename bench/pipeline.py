@@ -113,7 +113,7 @@ def follow(url: str, ids: list[str] | None, out: Connection) -> None:
     out.send((latencies, cpu_s() - cpu0))
 
 
-def pipeline(work, runner: dict, task_events: bool = True) -> tuple[float, list[float], dict]:
+def pipeline(work, runner: dict, task_events: bool = False) -> tuple[float, list[float], dict]:
     home = Path(tempfile.mkdtemp(prefix="weightq-bench-"))
     server = EmbeddedRedis(home / "redis")
     url = server.start()
@@ -167,7 +167,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
-        "--no-task-events", action="store_true", help="run the worker with TASK_EVENTS=0 (no Flower task view)"
+        "--task-events", action="store_true", help="run the worker with TASK_EVENTS=1 (as if Flower watched)"
     )
     ap.add_argument("--runner", default="auto", choices=["auto", "simulated"], help="simulated: the modelled device")
     ap.add_argument("--sim-step-cost", default="", help="SIM_STEP_COST for --runner simulated")
@@ -175,7 +175,7 @@ def main() -> None:
     runner = {"runner": args.runner, "sim_step_cost": args.sim_step_cost}
     work = workload(args.requests, args.seed)
     inproc_tok_s, inproc_cpu = inproc(work, runner)
-    pipe_tok_s, lat, pipe_cpu = pipeline(work, runner, task_events=not args.no_task_events)
+    pipe_tok_s, lat, pipe_cpu = pipeline(work, runner, task_events=args.task_events)
     out = {
         "runner": args.runner,
         "requests": len(work),
@@ -185,7 +185,7 @@ def main() -> None:
         "token_latency_ms_p50": round(1000 * percentile(lat, 50), 3),
         "token_latency_ms_p99": round(1000 * percentile(lat, 99), 3),
         "tokens": len(lat),
-        "task_events": not args.no_task_events,
+        "task_events": args.task_events,
         "inproc_cpu": inproc_cpu,
         "pipeline_cpu": pipe_cpu,
     }

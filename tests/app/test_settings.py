@@ -34,9 +34,9 @@ def test_the_environment_names_are_todays_one_field_each():
 
 
 def test_from_env_types_and_defaults():
-    env = {"MAX_BATCH_WEIGHT": "4096", "TASK_EVENTS": "off", "MODEL": "/models/x", "GPU_MEMORY_FRACTION": "0.5"}
+    env = {"MAX_BATCH_WEIGHT": "4096", "TASK_EVENTS": "on", "MODEL": "/models/x", "GPU_MEMORY_FRACTION": "0.5"}
     s = Settings.from_env(env | {"REDIS_URL": "", "gateway_port": "9000"}, env_file=None)
-    assert s.batcher.max_batch_weight == 4096 and s.queues.task_events is False and s.served.model == "/models/x"
+    assert s.batcher.max_batch_weight == 4096 and s.queues.task_events is True and s.served.model == "/models/x"
     assert s.engine.gpu_memory_fraction == 0.5 and s.redis.url == "" and s.worker.concurrency == 128
     assert s.gateway.port == 9000  # names are case-insensitive; a group's field may be shorter than its variable
     assert engine_config(s.served, s.engine, s.batcher).max_batch_weight == 4096

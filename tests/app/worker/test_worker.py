@@ -206,7 +206,7 @@ def test_flower_shows_the_worker_and_engine_stats(service, tmp_path):
     from weightq.cli.processes import ROOT
     from weightq.cli.redis_server import free_port
 
-    service.worker().wait_ready()
+    worker = service.worker().wait_ready()
     service.client.submit("for flower", max_new_tokens=5).result(timeout=60)
     port = free_port()
     flower = subprocess.Popen(
@@ -244,6 +244,22 @@ def test_flower_shows_the_worker_and_engine_stats(service, tmp_path):
         stats = workers["w1@test"]["stats"]["weightq"]
         for key in ("running", "waiting", "batch_weight", "max_batch_weight", "kv_blocks_used", "decode_tok_s"):
             assert key in stats
+        # The worker started without task events (TASK_EVENTS=0): Flower turns them on (every 5 s), and
+        # from then on each job is in its per-task view, through to its success.
+        deadline, job, task = time.monotonic() + 120, None, {}
+        while task.get("state") != "SUCCESS":
+            if job is None or not task:  # not seen: events not on yet, send another
+                job = service.client.submit("seen by flower", max_new_tokens=3)
+                job.result(timeout=60)
+            url = f"http://127.0.0.1:{port}/api/task/info/{job.id}"
+            try:
+                with urllib.request.urlopen(urllib.request.Request(url, headers=auth), timeout=60) as resp:
+                    task = json.loads(resp.read())
+            except OSError:  # 404: Flower has no events of this job
+                task = {}
+            assert time.monotonic() < deadline, worker.log()[-3000:] + (tmp_path / "flower.log").read_text()[-3000:]
+            time.sleep(0.5)
+        assert task["worker"] == "w1@test" and task["name"] == "weightq.generate"
     finally:
         flower.terminate()
         flower.wait(10)
