@@ -131,6 +131,9 @@ class Affinity:
         if self.queue is None or (room <= 0 and not idle):
             return 0
         others = [q for q in own_queues(self.redis, self.settings.queues.queue) if q != self.queue]
+        if not others and not idle:  # a lone worker, busy: nothing to steal and no idle time to count
+            self._seen_waiting.clear()
+            return 0
         mine, shared, *theirs = waiting_counts(self.broker, [self.queue, self.settings.queues.queue, *others])
         if idle and (mine or shared or any(theirs)):
             self.idle_queued_s += STEAL_POLL_S
