@@ -199,12 +199,24 @@ def served(worker: WorkerProcess, base: str, model: str, work, processes: dict[s
     """One round through the stack, with the worker's device time over it (from its heartbeats: the
     modelled device time on the simulated runner, the forward passes' on a real one)."""
     before = worker.wait_stats(lambda s: s.get("running", 1) == 0 and s.get("active_jobs", 1) == 0, timeout=300)
+    worker.redis.config_resetstat()
     figures = drive(base, model, work, worker.redis, processes)
     goal = before["finished"] + len(work) - figures["errors"]
     after = worker.wait_stats(lambda s: s.get("finished", 0) >= goal, timeout=300)
     if figures.get("wall_s"):
         figures |= busy(before, after, figures["wall_s"])
+        figures["redis_command_us_per_1000_tokens"] = commands(worker.redis, figures["tok_s"] * figures["wall_s"])
     return figures
+
+
+def commands(redis_client, tokens: float) -> dict[str, float]:
+    """Where Redis's time went (INFO commandstats since the round began), per 1,000 streamed tokens:
+    the script calls (the stream writes among them), the gateways' XREADs, and the rest. A command a
+    script runs counts in the script's time and in its own line too, so the lines overlap."""
+    stats = redis_client.info("commandstats")
+    us = {name.removeprefix("cmdstat_"): v["usec"] * 1000 / tokens for name, v in stats.items()}
+    top = dict(sorted(us.items(), key=lambda kv: -kv[1])[:6])
+    return {k: round(v, 1) for k, v in top.items()}
 
 
 def _engine(label: str) -> bool:
@@ -260,6 +272,11 @@ def medians(rounds: list[dict]) -> dict:
         cpu = {k: round(statistics.median(r["cpu_ms_per_1000_tokens"].get(k, 0.0) for r in rounds), 1) for k in labels}
         out["cpu_ms_per_1000_tokens"] = dict(sorted(cpu.items()))
         out["outside_engine_cpu_ms_per_1000_tokens"] = round(sum(v for k, v in cpu.items() if not _engine(k)), 1)
+    if all("redis_command_us_per_1000_tokens" in r for r in rounds):
+        names = {k for r in rounds for k in r["redis_command_us_per_1000_tokens"]}
+        by = {k: round(statistics.median(r["redis_command_us_per_1000_tokens"].get(k, 0.0) for r in rounds), 1)
+              for k in names}  # fmt: skip
+        out["redis_command_us_per_1000_tokens"] = dict(sorted(by.items(), key=lambda kv: -kv[1]))
     out["errors"] = sum(r.get("errors", 0) for r in rounds)
     firsts = [r["first_error"] for r in rounds if r.get("first_error")]
     if firsts:
