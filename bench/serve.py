@@ -90,9 +90,12 @@ def drive(base: str, model: str, work, redis_client=None, processes: dict[str, i
     """One round of every request at once; the figures of that round (and where a token's time went,
     given the stack's Redis; and each server process's CPU per 1,000 streamed tokens, given their pids
     by role)."""
+    if redis_client is not None:
+        redis_client.config_resetstat()  # its commandstats count this round alone
     cpu0 = cputime.snapshot(processes or {})
     results = asyncio.run(_drive(base, model, work))
     cpu1 = cputime.snapshot(processes or {})
+    commandstats = redis_client.info("commandstats") if redis_client is not None else None  # before stages' reads
     ok = [r for r in results if "error" not in r]
     errors = [r["error"] for r in results if "error" in r]
     if not ok:
@@ -104,6 +107,8 @@ def drive(base: str, model: str, work, redis_client=None, processes: dict[str, i
     tokens = sum(r["tokens"] for r in ok)
     chunks = sum(len(r["arrivals"]) for r in ok)  # the ITL figures are gaps between chunks
     cpu = cputime.per_1000_tokens(cpu0, cpu1, tokens) if processes else {}
+    if commandstats is not None:
+        cpu_redis = {"redis_command_us_per_1000_tokens": commands(commandstats, tokens)}
     return (stages(redis_client, ok) if redis_client is not None else {}) | {
         "tok_s": tokens / (end - start),
         "wall_s": end - start,
@@ -115,6 +120,7 @@ def drive(base: str, model: str, work, redis_client=None, processes: dict[str, i
         "errors": len(errors),
         "first_error": errors[0] if errors else None,
         **({"cpu_ms_per_1000_tokens": cpu} if cpu else {}),
+        **(cpu_redis if commandstats is not None else {}),
     }
 
 
@@ -199,21 +205,18 @@ def served(worker: WorkerProcess, base: str, model: str, work, processes: dict[s
     """One round through the stack, with the worker's device time over it (from its heartbeats: the
     modelled device time on the simulated runner, the forward passes' on a real one)."""
     before = worker.wait_stats(lambda s: s.get("running", 1) == 0 and s.get("active_jobs", 1) == 0, timeout=300)
-    worker.redis.config_resetstat()
     figures = drive(base, model, work, worker.redis, processes)
     goal = before["finished"] + len(work) - figures["errors"]
     after = worker.wait_stats(lambda s: s.get("finished", 0) >= goal, timeout=300)
     if figures.get("wall_s"):
         figures |= busy(before, after, figures["wall_s"])
-        figures["redis_command_us_per_1000_tokens"] = commands(worker.redis, figures["tok_s"] * figures["wall_s"])
     return figures
 
 
-def commands(redis_client, tokens: float) -> dict[str, float]:
-    """Where Redis's time went (INFO commandstats since the round began), per 1,000 streamed tokens:
-    the script calls (the stream writes among them), the gateways' XREADs, and the rest. A command a
-    script runs counts in the script's time and in its own line too, so the lines overlap."""
-    stats = redis_client.info("commandstats")
+def commands(stats: dict, tokens: float) -> dict[str, float]:
+    """Where Redis's time went (INFO commandstats, reset as the round began), per 1,000 streamed
+    tokens: the script calls (the stream writes among them), the gateway's XREADs, and the rest. A
+    command a script runs counts in the script's time and in its own line too, so the lines overlap."""
     us = {name.removeprefix("cmdstat_"): v["usec"] * 1000 / tokens for name, v in stats.items()}
     top = dict(sorted(us.items(), key=lambda kv: -kv[1])[:6])
     return {k: round(v, 1) for k, v in top.items()}

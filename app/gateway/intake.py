@@ -9,6 +9,7 @@ import json
 import math
 import time
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from fastapi import Request
@@ -23,6 +24,7 @@ from weightq.tasks.sizes import check_request_size
 from .errors import HTTPError
 from .limits import ClientLimits, ServingLimits
 from .priority import caller_priority
+from .turns import Turns
 
 MAX_DEADLINE_S = 7 * 86_400
 OFF_LOOP_BYTES = 64 * 1024  # bodies past this are decoded and checked on a thread, not the event loop
@@ -56,6 +58,12 @@ class Intake:
     ) -> None:
         self.settings, self.serving, self.key_classes, self.limits = settings, serving, key_classes, limits
         self.pressure = pressure
+        self.turns = Turns()
+
+    def turn(self, request: Request) -> AbstractAsyncContextManager[None]:
+        """The caller's tenant's turn from its read body to its submitted jobs (turns.py): parse and
+        submit inside it, read the body and answer outside."""
+        return self.turns.turn(getattr(request.state, "tenant", LOCAL_TENANT))
 
     async def body(self, request: Request) -> Any:
         """The request's JSON body, read within BODY_TIMEOUT_S (a body trickled a byte at a time holds

@@ -41,11 +41,15 @@ def register(app: FastAPI, gw: Gateway) -> None:
         body = await gw.intake.body(request)
         asked = openai_api.chat_jobs if chat else openai_api.completion_jobs
         door, prompt = (Door.CHAT, "messages") if chat else (Door.COMPLETIONS, "prompt")
-        jobs = await gw.intake.parse(request, lambda: asked(body, gw.model), door, prompt)
+        async with gw.intake.turn(request):
+            jobs = await gw.intake.parse(request, lambda: asked(body, gw.model), door, prompt)
+            if len(jobs) > 1:
+                ids = await submit_several(request, body, jobs)
+            else:
+                job_id, last_id, owner = await gw.start(request, jobs[0], bool(body.get("stream")))
         if len(jobs) > 1:
-            return await several(request, body, jobs, chat)
+            return await several(request, body, jobs, ids, chat)
         model = jobs[0].adapter or gw.model  # a response names the adapter it ran with
-        job_id, last_id, owner = await gw.start(request, jobs[0], bool(body.get("stream")))
         if not body.get("stream"):
             result = await gw.result(request, job_id)
             echo = openai_api.echoes(body, [job.prompt for job in jobs])
@@ -69,14 +73,16 @@ def register(app: FastAPI, gw: Gateway) -> None:
 
         return await streams.stream(gw, job_id, chunks, last_id, owner=owner)
 
-    async def several(request: Request, body: dict, jobs: list[JobRequest], chat: bool) -> Response:
-        """Several choices (a list of prompts, or n > 1): one job each, answered together."""
-        n = body.get("n") or 1
-        model = jobs[0].adapter or gw.model
+    async def submit_several(request: Request, body: dict, jobs: list[JobRequest]) -> list[str]:
         if body.get("stream") and request.headers.get("last-event-id"):
             raise HTTPError(400, "Last-Event-ID resumes a single-choice stream", "Last-Event-ID")
         gw.intake.hold(request, len(jobs))
-        ids = list(await asyncio.gather(*(gw.submit(job) for job in jobs)))  # one group commit
+        return list(await asyncio.gather(*(gw.submit(job) for job in jobs)))  # one group commit
+
+    async def several(request: Request, body: dict, jobs: list[JobRequest], ids: list[str], chat: bool) -> Response:
+        """Several choices (a list of prompts, or n > 1): one job each, answered together."""
+        n = body.get("n") or 1
+        model = jobs[0].adapter or gw.model
         if not body.get("stream"):
             results = await gw.results(request, ids)
             echo = openai_api.echoes(body, [job.prompt for job in jobs])

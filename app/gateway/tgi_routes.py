@@ -19,9 +19,10 @@ from .tgi_api import best_of_jobs, details, job_request, token, top_tokens
 def register(app: FastAPI, gw: Gateway) -> None:
     async def generate(request: Request, body: dict, *, as_list: bool) -> Response:
         job, params = job_request(body)
-        samples = await gw.intake.parse(request, lambda: best_of_jobs(job, params.get("best_of") or 1), Door.TGI)
-        gw.intake.hold(request, len(samples))
-        ids = list(await asyncio.gather(*(gw.submit(j) for j in samples)))  # one group commit
+        async with gw.intake.turn(request):
+            samples = await gw.intake.parse(request, lambda: best_of_jobs(job, params.get("best_of") or 1), Door.TGI)
+            gw.intake.hold(request, len(samples))
+            ids = list(await asyncio.gather(*(gw.submit(j) for j in samples)))  # one group commit
         collected: list[tuple[dict, list[dict], list[list[dict]]]] = []
 
         async def collect(job_id: str) -> tuple[dict, list[dict], list[list[dict]]]:
@@ -66,8 +67,9 @@ def register(app: FastAPI, gw: Gateway) -> None:
 
     async def generate_stream(request: Request, body: dict) -> Response:
         job, params = job_request(body, stream=True)
-        (parsed,) = await gw.intake.parse(request, lambda: ([job], 1), Door.TGI)
-        job_id, last_id, owner = await gw.start(request, parsed, True)
+        async with gw.intake.turn(request):
+            (parsed,) = await gw.intake.parse(request, lambda: ([job], 1), Door.TGI)
+            job_id, last_id, owner = await gw.start(request, parsed, True)
         want_details = bool(params.get("details"))
         prefix = job["prompt"] if params.get("return_full_text") else ""
 
