@@ -107,8 +107,7 @@ def drive(base: str, model: str, work, redis_client=None, processes: dict[str, i
     tokens = sum(r["tokens"] for r in ok)
     chunks = sum(len(r["arrivals"]) for r in ok)  # the ITL figures are gaps between chunks
     cpu = cputime.per_1000_tokens(cpu0, cpu1, tokens) if processes else {}
-    if commandstats is not None:
-        cpu_redis = {"redis_command_us_per_1000_tokens": commands(commandstats, tokens)}
+    redis_time = {} if commandstats is None else {"redis_command_us_per_1000_tokens": commands(commandstats, tokens)}
     return (stages(redis_client, ok) if redis_client is not None else {}) | {
         "tok_s": tokens / (end - start),
         "wall_s": end - start,
@@ -120,7 +119,7 @@ def drive(base: str, model: str, work, redis_client=None, processes: dict[str, i
         "errors": len(errors),
         "first_error": errors[0] if errors else None,
         **({"cpu_ms_per_1000_tokens": cpu} if cpu else {}),
-        **(cpu_redis if commandstats is not None else {}),
+        **redis_time,
     }
 
 
