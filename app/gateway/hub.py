@@ -150,9 +150,10 @@ class StreamHub:
     async def _read_loop(self, shard: _Shard) -> None:
         """Reads the followed streams that the ticks since the last read name (and new followers'),
         then waits for the next tick or block_ms, whichever comes first. Every followed stream is read
-        when no tick came within block_ms, when the ticks may have been trimmed, and every
-        FULL_EVERY_S: entries that other writers add without a tick (a task's attempt marker, a
-        client's cancel of a queued job) arrive within that."""
+        when the ticks may have been trimmed, and every FULL_EVERY_S: entries that other writers add
+        without a tick (a task's attempt marker, a client's cancel of a queued job) arrive within that.
+        A wait that ends with no tick reads nothing: reading every stream then (every block_ms between
+        a worker's writes) was a fifth of Redis' XREAD time at 64 streams, an eighth at 256 (bench.serve)."""
         loop = asyncio.get_running_loop()
         tick, named, everything, last_full = "0-0", set(), True, 0.0
         while not self._closing:
@@ -175,11 +176,12 @@ class StreamHub:
                 woke = await shard.redis.xread({STREAM_TICK: tick}, block=self.block_ms, count=TICKS_KEPT)
                 ticks = [entries for _, entries in xread_streams(woke)]
                 named = set()
-                if not ticks or len(ticks[0]) >= TICKS_KEPT:
-                    everything = True  # no tick (entries written without one?), or some may be trimmed
-                    tick = ticks[0][-1][0] if ticks else tick
+                if not ticks:  # nothing written with a tick; entries without one wait for the full read
                     continue
                 tick = ticks[0][-1][0]
+                if len(ticks[0]) >= TICKS_KEPT:  # some may have been trimmed
+                    everything = True
+                    continue
                 for _, raw in ticks[0]:
                     ids = _field(raw, "keys")
                     if ids is None:  # a writer that names nothing: read everything
