@@ -12,6 +12,8 @@ import argparse
 import json
 import re
 
+from .redis_server import STREAM_NODE_ENTRIES
+
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 PLAIN = re.compile(r"^[A-Za-z_/][A-Za-z0-9_./@%-]*$")  # YAML reads these as the string they are
 YAML_WORDS = {"yes", "no", "on", "off", "true", "false", "null", "y", "n"}
@@ -129,6 +131,7 @@ def services(gpus: str, cpu: int | None, role: str, expose_redis: bool) -> dict:
 
 def redis_service(password: str | None) -> dict:
     cmd = ["redis-server", "--appendonly", "yes", "--appendfsync", "everysec", "--save", ""]
+    cmd += ["--stream-node-max-entries", str(STREAM_NODE_ENTRIES)]  # redis_server.py says why
     svc: dict = {"image": "redis:7", "restart": "unless-stopped", "command": cmd, "volumes": ["redis-data:/data"]}
     ping = ["CMD", "redis-cli", "ping"]
     if password:

@@ -24,6 +24,13 @@ from weightq.settings import RedisSettings
 
 log = logging.getLogger(__name__)
 
+# Entries per node of a Redis stream (Redis' default 100). A reader that XREADs a stream after an id
+# finds the id's node in a radix tree, then walks that node's entries from its first: with a job's
+# stream read an entry at a time, each read walked half a node, 16 us a read at 100 against 7 at 16
+# (redis 6.2 on this machine), for ~10% more XADD time and ~6 bytes an entry. Set it on any Redis
+# that carries the token plane (README: capacity).
+STREAM_NODE_ENTRIES = 16
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -74,6 +81,8 @@ class EmbeddedRedis:
             "",
             "--daemonize",
             "no",
+            "--stream-node-max-entries",
+            str(STREAM_NODE_ENTRIES),
         ]
         if self.password:
             args += ["--requirepass", self.password, "--masterauth", self.password]
