@@ -129,6 +129,9 @@ class Gateway:
     async def submit(self, job: JobRequest) -> str:
         return await self.submitter.submit(job)
 
+    async def submit_all(self, jobs: list[JobRequest]) -> list[str]:
+        return await self.submitter.submit_all(jobs)
+
     def cancel_soon(self, job_id: str) -> None:
         """Cancel from a worker thread: also safe inside a cancelled task's cleanup. Not while the
         gateway shuts down: its clients' jobs go on, and a client may resume with Last-Event-ID."""

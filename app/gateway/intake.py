@@ -9,7 +9,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
+from contextlib import AbstractAsyncContextManager, nullcontext
 from typing import Any
 
 from fastapi import Request
@@ -36,6 +36,11 @@ Asked = tuple[list[dict], int]
 DEADLINE_HEADER = "x-deadline-s"  # seconds from now: the jobs must start by then, or are refused / end unrun
 
 
+def resumes(request: Request, streaming: bool) -> bool:
+    """Whether the request resumes a job's stream (core.Gateway.start) rather than asking for a job."""
+    return streaming and bool(request.headers.get("last-event-id"))
+
+
 def deadline_in(value: str) -> float:
     try:
         seconds = float(value)
@@ -60,10 +65,13 @@ class Intake:
         self.pressure = pressure
         self.turns = Turns()
 
-    def turn(self, request: Request) -> AbstractAsyncContextManager[None]:
+    def turn(self, request: Request, streaming: bool = False) -> AbstractAsyncContextManager[None]:
         """The caller's tenant's turn from its read body to its submitted jobs (turns.py): parse and
-        submit inside it, read the body and answer outside."""
-        return self.turns.turn(getattr(request.state, "tenant", LOCAL_TENANT))
+        submit inside it, read the body and answer outside. A stream resumed by Last-Event-ID
+        submits nothing and takes none."""
+        if resumes(request, streaming):
+            return nullcontext()
+        return self.turns.turn(getattr(request.state, "tenant", LOCAL_TENANT), request.is_disconnected)
 
     async def body(self, request: Request) -> Any:
         """The request's JSON body, read within BODY_TIMEOUT_S (a body trickled a byte at a time holds
@@ -92,13 +100,19 @@ class Intake:
             raise HTTPError(400, f"body is not valid JSON: {str(e)[:200]}", "body") from None
 
     async def parse(
-        self, request: Request, asked: Callable[[], Asked], door: Door, prompt_field: str = "prompt"
+        self,
+        request: Request,
+        asked: Callable[[], Asked],
+        door: Door,
+        prompt_field: str = "prompt",
+        streaming: bool = False,
     ) -> list[JobRequest]:
         """A route's job requests, parsed once per prompt with the door's defaults, at the caller's
         priority class and tenant, and refused (by field) when no live worker's max_total_tokens leaves
         room for them. Sizes are checked before any work per prompt or per token; a large body is
         checked on a thread, so the event loop serves everyone else meanwhile. Choice i of prompt p
-        is at p x n + i."""
+        is at p x n + i. A stream resumed by Last-Event-ID (`streaming` and one job) is not
+        admitted against the queue's wait: its job exists, and refusing it would orphan the stream."""
         priority = caller_priority(request, self.key_classes, self.settings.gateway.open_max_priority)
         limit = self.serving.max_total_tokens()
         extra: dict[str, Any] = {"tenant": getattr(request.state, "tenant", LOCAL_TENANT)}
@@ -116,6 +130,8 @@ class Intake:
             return [seeded(job, i) for job in parsed for i in range(n)]
 
         jobs = await asyncio.to_thread(work) if getattr(request.state, "body_bytes", 0) > OFF_LOOP_BYTES else work()
+        if len(jobs) == 1 and resumes(request, streaming):
+            return jobs
         if self.settings.queues.max_queue_wait_s > 0 or "deadline" in extra:
             try:  # the projection may replay thousands of queued jobs: off the event loop
                 await asyncio.to_thread(self.pressure.admit, jobs)

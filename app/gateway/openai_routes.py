@@ -3,7 +3,6 @@ request and response shapes are openai_api.py's."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 from fastapi import FastAPI, Request
@@ -41,12 +40,13 @@ def register(app: FastAPI, gw: Gateway) -> None:
         body = await gw.intake.body(request)
         asked = openai_api.chat_jobs if chat else openai_api.completion_jobs
         door, prompt = (Door.CHAT, "messages") if chat else (Door.COMPLETIONS, "prompt")
-        async with gw.intake.turn(request):
-            jobs = await gw.intake.parse(request, lambda: asked(body, gw.model), door, prompt)
+        streaming = isinstance(body, dict) and bool(body.get("stream"))  # (a body not an object: parse says so)
+        async with gw.intake.turn(request, streaming):
+            jobs = await gw.intake.parse(request, lambda: asked(body, gw.model), door, prompt, streaming)
             if len(jobs) > 1:
                 ids = await submit_several(request, body, jobs)
             else:
-                job_id, last_id, owner = await gw.start(request, jobs[0], bool(body.get("stream")))
+                job_id, last_id, owner = await gw.start(request, jobs[0], streaming)
         if len(jobs) > 1:
             return await several(request, body, jobs, ids, chat)
         model = jobs[0].adapter or gw.model  # a response names the adapter it ran with
@@ -77,7 +77,7 @@ def register(app: FastAPI, gw: Gateway) -> None:
         if body.get("stream") and request.headers.get("last-event-id"):
             raise HTTPError(400, "Last-Event-ID resumes a single-choice stream", "Last-Event-ID")
         gw.intake.hold(request, len(jobs))
-        return list(await asyncio.gather(*(gw.submit(job) for job in jobs)))  # one group commit
+        return await gw.submit_all(jobs)  # one group commit
 
     async def several(request: Request, body: dict, jobs: list[JobRequest], ids: list[str], chat: bool) -> Response:
         """Several choices (a list of prompts, or n > 1): one job each, answered together."""

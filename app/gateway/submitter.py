@@ -54,7 +54,22 @@ class Submitter:
         self._pending.append((job, future))
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write())
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:  # cancelled as its id came: nobody will read the job
+            if future.done() and not future.cancelled() and future.exception() is None:
+                asyncio.get_running_loop().run_in_executor(None, _cancel, [self.client.job(future.result())])
+            raise
+
+    async def submit_all(self, jobs: list[JobRequest]) -> list[str]:
+        """Every job's id (one group commit where they fit). If one fails, the request fails: the
+        others are cancelled, since nobody would read them, and the first error is raised."""
+        out = await asyncio.gather(*(self.submit(job) for job in jobs), return_exceptions=True)
+        if errors := [e for e in out if isinstance(e, BaseException)]:
+            if submitted := [self.client.job(x) for x in out if isinstance(x, str)]:
+                asyncio.get_running_loop().run_in_executor(None, _cancel, submitted)
+            raise errors[0]
+        return [x for x in out if isinstance(x, str)]
 
     async def _write(self) -> None:
         while self._pending:

@@ -22,7 +22,7 @@ def register(app: FastAPI, gw: Gateway) -> None:
         async with gw.intake.turn(request):
             samples = await gw.intake.parse(request, lambda: best_of_jobs(job, params.get("best_of") or 1), Door.TGI)
             gw.intake.hold(request, len(samples))
-            ids = list(await asyncio.gather(*(gw.submit(j) for j in samples)))  # one group commit
+            ids = await gw.submit_all(samples)  # one group commit
         collected: list[tuple[dict, list[dict], list[list[dict]]]] = []
 
         async def collect(job_id: str) -> tuple[dict, list[dict], list[list[dict]]]:
@@ -67,8 +67,8 @@ def register(app: FastAPI, gw: Gateway) -> None:
 
     async def generate_stream(request: Request, body: dict) -> Response:
         job, params = job_request(body, stream=True)
-        async with gw.intake.turn(request):
-            (parsed,) = await gw.intake.parse(request, lambda: ([job], 1), Door.TGI)
+        async with gw.intake.turn(request, streaming=True):
+            (parsed,) = await gw.intake.parse(request, lambda: ([job], 1), Door.TGI, streaming=True)
             job_id, last_id, owner = await gw.start(request, parsed, True)
         want_details = bool(params.get("details"))
         prefix = job["prompt"] if params.get("return_full_text") else ""

@@ -84,13 +84,20 @@ def test_the_gateway_answers_429_with_retry_after_and_exports_the_drain_time(ser
     worker.wait_ready()
     gateway.wait_ready()
     try:
-        service.client.submit_many(FLOOD, background=False)
+        flood = service.client.submit_many(FLOOD, background=False)
         worker.wait_stats(busy)
         body = {"model": "builtin:tiny", "prompt": "hello", "max_tokens": 8}
         r = httpx.post(gateway.base + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 429, r.text
         assert int(r.headers["retry-after"]) >= 1
         assert "MAX_QUEUE_WAIT_S" in r.json()["error"]["message"]
+        # a stream resumed meanwhile asks for no job: it is served, not refused with the new ones
+        resume = {"Last-Event-ID": f"{flood[0].id}/0-0"}
+        url, streamed = gateway.base + "/v1/completions", body | {"stream": True}
+        with httpx.stream("POST", url, json=streamed, headers=resume, timeout=60) as s:
+            assert s.status_code == 200
+            data = [line for line in s.iter_lines() if line.startswith("data: ")]
+        assert data[-1] == "data: [DONE]" and len(data) > 2
         metrics = httpx.get(gateway.base + "/metrics/cluster", timeout=30).text
         drain = [ln for ln in metrics.splitlines() if ln.startswith("weightq_projected_drain_seconds ")]
         assert drain and float(drain[0].split()[1]) > 1.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from weightq.gateway.errors import HTTPError
 from weightq.gateway.turns import Turns
 
 
@@ -65,5 +66,54 @@ def test_a_turn_handed_to_a_request_cancelled_at_that_moment_goes_on_to_the_next
         with pytest.raises(asyncio.CancelledError):
             await second
         assert log == ["c"] and not turns._tenants
+
+    asyncio.run(main())
+
+
+def test_a_request_whose_client_left_while_it_waited_passes_its_turn_on_unrun():
+    async def main() -> None:
+        turns, log, release = Turns(most=1), [], asyncio.Event()
+        asked: list[str] = []
+
+        async def request(name: str, left: bool) -> None:
+            async def gone() -> bool:
+                asked.append(name)
+                return left
+
+            async with turns.turn("t", gone):
+                log.append(name)
+                await release.wait()
+
+        first = asyncio.create_task(request("a", False))  # not asked: it never waited
+        await asyncio.sleep(0)
+        left = asyncio.create_task(request("b", True))
+        stayed = asyncio.create_task(request("c", False))
+        await asyncio.sleep(0)
+        release.set()
+        await asyncio.gather(first, stayed)
+        with pytest.raises(HTTPError) as refused:
+            await left
+        assert refused.value.status == 499
+        assert log == ["a", "c"] and asked == ["b", "c"] and not turns._tenants
+
+    asyncio.run(main())
+
+
+def test_many_requests_cancelled_at_once_leave_nothing_behind():
+    async def main() -> None:
+        turns, log, release = Turns(most=2), [], asyncio.Event()
+        holders = [asyncio.create_task(_request(turns, "t", f"h{i}", log, release)) for i in range(2)]
+        waiting = [asyncio.create_task(_request(turns, "t", f"w{i}", log, release)) for i in range(2000)]
+        await asyncio.sleep(0)
+        assert turns.active("t") == (2, 2000)
+        for task in waiting[:-1]:  # a shutdown, say: all but the last
+            task.cancel()
+        await asyncio.gather(*waiting[:-1], return_exceptions=True)
+        assert turns.active("t") == (2, 1)
+        late = asyncio.create_task(_request(turns, "t", "late", log, release))  # behind the live one only
+        await asyncio.sleep(0)
+        release.set()
+        await asyncio.gather(*holders, waiting[-1], late)
+        assert log == ["h0", "h1", "w1999", "late"] and not turns._tenants
 
     asyncio.run(main())
