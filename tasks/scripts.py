@@ -328,9 +328,10 @@ return string.format('%.17g', s)
 # destination's 10 lists, the 10 lists whose messages count as waiting for this worker (the
 # destination's, or the shared queue's too), then per source its fair hash and its 10 staged sets.
 # ARGV: any, urgent, last urgent priority index, sources, whether the destination's waiting messages
-# count against `any`, light, whether to count the waiting messages even if nothing is released, heavy
-# tenants... Returns {released, messages waiting in
-# the lists of both (0, uncounted, when nothing was released, no urgent job may go, and ARGV[7] is 0)}.
+# count against the budgets (all of them against `any`, the urgent classes' against urgent and light:
+# released before and not yet taken), light, whether to count the waiting messages even if nothing is
+# released, heavy tenants... Returns {released, messages of the urgent classes waiting in the lists of
+# both (0, uncounted, when nothing was released, no urgent budget was given, and ARGV[7] is 0)}.
 LIGHT_SCAN = 32  # staged jobs RELEASE looks through for a light tenant's, beyond the room
 RELEASE = """
 local LIGHT_SCAN = @LIGHT_SCAN@
@@ -339,8 +340,15 @@ local sources, light = tonumber(ARGV[4]), tonumber(ARGV[6])
 local heavy = {}
 for i = 8, #ARGV do heavy[ARGV[i]] = true end
 if ARGV[5] == '1' then
-  for p = 1, 10 do any = any - redis.call('LLEN', KEYS[p]) end
+  local queued_urgent = 0
+  for p = 1, 10 do
+    local n = redis.call('LLEN', KEYS[p])
+    any = any - n
+    if p - 1 <= last then queued_urgent = queued_urgent + n end
+  end
   if any < 0 then any = 0 end
+  urgent = math.max(0, urgent - queued_urgent)
+  light = math.max(0, light - queued_urgent)
 end
 local released = 0
 local beyond = {}
@@ -390,8 +398,8 @@ for p, jobs in pairs(beyond) do
 end
 local waiting = 0
 -- counted only when something may have gone beyond the room: an idle worker's look stays two reads
-if released == 0 and urgent == 0 and ARGV[7] ~= '1' then return {0, 0} end
-for p = 0, 9 do
+if released == 0 and ARGV[2] == '0' and ARGV[7] ~= '1' then return {0, 0} end
+for p = 0, last do
   waiting = waiting + redis.call('LLEN', KEYS[1 + p])
   if KEYS[11 + p] ~= KEYS[1 + p] then waiting = waiting + redis.call('LLEN', KEYS[11 + p]) end
 end

@@ -8,10 +8,10 @@ first come, first served:
   units; this worker releases them into the lists Celery consumes (RELEASE) only as fast as its
   engine can start them: what it releases is what the batcher would pick next, whoever flooded.
 - **Slots held back for the urgent classes**: background jobs (priority < 5) may hold at most
-  CONCURRENCY - INTERACTIVE_SLOTS task threads, and the urgent classes are taken even when the
-  engine has no room (up to URGENT_LOOKAHEAD waiting in it): the batcher then starts them in the
-  budget's headroom, or preempts background work for them (batcher: `preemption.for_class`). An
-  interactive job never waits for a batch job to finish.
+  CONCURRENCY - INTERACTIVE_SLOTS task threads, the urgent classes all of them, and the urgent
+  classes are taken even when the engine has no room (up to URGENT_LOOKAHEAD waiting in it): the
+  batcher then starts them in the budget's headroom, or preempts background work for them (batcher:
+  `preemption.for_class`). An interactive job never waits for a batch job to finish.
 - **A tenant below its share goes beyond the room too**: the next staged job of a tenant that holds
   less than an equal share of the engine (Urgency.heavy_tenants) is taken when the engine is full, and
   the batcher's fair preemption lets it in: a light tenant never waits for a flood to drain.
@@ -49,7 +49,7 @@ EVERYTHING = 1 << 30
 @dataclass(frozen=True, slots=True)
 class Released:
     jobs: int  # staged jobs moved into the lists Celery consumes
-    waiting: int  # messages waiting in the lists this worker takes from
+    waiting: int  # messages of the urgent classes waiting in the lists this worker takes from
 
 
 class Release:
@@ -71,11 +71,12 @@ class Release:
         count_waiting: bool = True,
         recount: bool = True,
     ) -> Released:
-        """Release up to `any_class` staged jobs of `sources` (in order) into `dest`'s lists, less
-        what waits there already (`count_waiting`), then up to `urgent` more of the urgent classes,
-        then up to `light` more of the urgent classes of tenants not `heavy` (below their share).
-        `watch`: another queue whose urgent messages this worker takes too (the shared one). The lists'
-        messages are counted when something is released or may go beyond the room, or `recount`."""
+        """Release up to `any_class` staged jobs of `sources` (in order) into `dest`'s lists, then up
+        to `urgent` more of the urgent classes, then up to `light` more of the urgent classes of tenants
+        not `heavy` (below their share); with `count_waiting`, less what waits in `dest`'s lists already
+        (all of it for `any_class`, the urgent classes' for the others). `watch`: another queue whose
+        urgent messages this worker takes too (the shared one). The urgent classes' waiting messages are
+        counted when something is released or may go beyond the room, or `recount`."""
         keys = [*priority_queues(dest), *priority_queues(watch or dest)]
         for source in sources:
             keys += [fair_key(source), *staged_sets(source)]
@@ -98,21 +99,25 @@ class Intake:
         self._waiting = 0  # messages waiting in its lists at the last count
 
     def plan(self, room: int, running: int, taken: int, urgency: Urgency, exclusive: bool) -> tuple[int, int, int]:
-        """(jobs of any class to release, urgent ones beyond the engine's room, urgent ones of tenants
-        below their share beyond it): `room` typical jobs the engine could start now, `running` jobs in
+        """(jobs of any class to release, urgent ones besides, urgent ones of tenants below their share
+        beyond the engine's room): `room` typical jobs the engine could start now, `running` jobs in
         the engine, `taken` messages not yet in it, `urgency` its batcher's (batcher.outlook.Urgency).
-        Beyond the room, a few at a time: urgent jobs only while background work runs that they can
-        preempt, and jobs of a tenant below its share, for which the batcher preempts the heaviest
+        Urgent jobs take the task threads background work leaves (INTERACTIVE_SLOTS) when the engine
+        has room, and beyond the room a few at a time while background work runs that they can
+        preempt; so do jobs of a tenant below its share, for which the batcher preempts the heaviest
         tenant's newest requests. A lookahead open to any job of the class it runs would fill with a
         flood's jobs and keep the next tenant's out."""
         if exclusive:  # a job running alone (or waiting to) admits no other
             return 0, 0, 0
-        s = self.settings
+        threads = self.settings.worker.concurrency
         held = running + taken
-        any_class = max(0, min(room, IN_PIPE, s.worker.concurrency - self.reserve - running) - taken)
-        lookahead = max(0, min(s.worker.concurrency - held, URGENT_LOOKAHEAD) - taken)
-        urgent = max(0, lookahead - urgency.urgent_waiting) if urgency.background_running else 0
-        light = max(0, min(lookahead - urgency.light_waiting, s.worker.concurrency - self.reserve - held))
+        any_class = max(0, min(room, IN_PIPE, threads - self.reserve - running) - taken)
+        # the reserved threads are the urgent classes' alone: within the room, as many as the reserve held back
+        reserved = max(0, min(room, IN_PIPE, threads - running) - taken - any_class)
+        lookahead = max(0, min(threads - held, URGENT_LOOKAHEAD) - taken)
+        beyond = max(0, lookahead - urgency.urgent_waiting) if urgency.background_running else 0
+        urgent = min(reserved + beyond, max(0, threads - held - any_class))
+        light = max(0, min(lookahead - urgency.light_waiting, threads - self.reserve - held))
         return any_class, urgent, light
 
     def tick(self, engine: AnyEngine, inflight: InFlight, consumer: Any) -> int | None:
@@ -129,8 +134,8 @@ class Intake:
         view = engine.urgency()
         any_class, urgent, light = self.plan(room, running, taken, view, exclusive)
         watch = s.queues.queue if self.dest != s.queues.queue else None
-        # without staging, the same call only counts the urgent messages waiting
-        sources = self.sources if s.queues.fair_queue else []
+        # staged jobs are released even with FAIR_QUEUE off here: clients with it on stage them
+        sources = self.sources
         extra = 0
         if any_class or urgent or light:
             recount = self._waiting > 0  # released beyond the room last time: until taken, they need the prefetch
@@ -140,7 +145,8 @@ class Intake:
             self.released += out.jobs
             self._waiting = out.waiting
             extra = min(out.waiting, urgent + light)
-        # background work may not take the reserved slots; what went beyond the room may, up to the lookahead
+        # background work may not take the reserved threads; urgent messages waiting may (out.waiting counts
+        # only those), within the room and up to the lookahead beyond it
         base = min(s.worker.concurrency - self.reserve, running + room) if not exclusive else running
         return max(1, min(s.worker.concurrency, base + extra))
 

@@ -112,6 +112,27 @@ def test_background_work_leaves_slots_and_urgent_jobs_go_beyond_the_room(redis_u
     assert intake.plan(0, 40, 0, Urgency(heavy_tenants=("flood",)), False)[1:] == (0, 4)
     assert intake.plan(0, 40, 0, Urgency(3, 0, ("flood",), 3), False)[1:] == (0, 1)
     assert intake.plan(30, 0, 0, Urgency(), True) == (0, 0, 0)  # a job running alone admits no other
+    # the reserved threads are the urgent classes': with room in the engine, urgent jobs take them
+    assert intake.plan(30, 56, 0, bg, False)[:2] == (0, 8)
+    assert intake.plan(30, 60, 1, Urgency(), False)[:2] == (0, 3)
+    two = Intake(redis.Redis.from_url(redis_url), Settings(concurrency=2), "w@t")
+    assert two.reserve == 1 and two.plan(10, 1, 0, Urgency(), False) == (0, 1, 0)  # web traffic: both threads
+
+
+def test_release_counts_only_the_urgent_messages_waiting_and_releases_no_more_than_they_leave(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    r.flushall()
+    release = Release(r)
+    r.lpush(priority_queues("q")[7], "background, sent by name")
+    # background messages waiting do not count: the prefetch they would raise is the reserved threads'
+    out = release("q", ["q"], 0, urgent=1)
+    assert (out.jobs, out.waiting) == (0, 0)
+    for i in range(3):
+        stage(r, "q", f"web{i}", "A", 10)
+    r.lpush(priority_queues("q")[4], "released before, not taken yet")
+    out = release("q", ["q"], 0, urgent=2)  # one of the two is the message waiting already
+    assert (out.jobs, out.waiting) == (1, 2)
+    assert taken(r, "q") == ["web0", "released before, not taken yet"]
 
 
 def test_a_light_tenants_job_starts_ahead_of_another_tenants_flood(service):
