@@ -97,6 +97,8 @@ class WorkerHost:
         def renew() -> None:
             while True:
                 self.lease.renew(set(loops.delivered_tags(self.inflight, consumer())))
+                # listed again: a drain that found its lease lapsed (a pause) may have forgotten its queue
+                self.affinity.register()
                 if stop.wait(self.lease.renew_s):
                     return
 
@@ -132,7 +134,8 @@ class WorkerHost:
             "active_jobs": len(self.inflight),
             "hostname": self.hostname,
             "queue": s.queues.queue,  # what `weightq batch` and the gateway's queue depth look for
-            "own_queue": self.affinity.queue,  # where clients route this worker's prefixes (None: off)
+            # where clients route this worker's prefixes (None: off, or shutting down: route elsewhere)
+            "own_queue": None if self.stopping.is_set() else self.affinity.queue,
             "stolen": self.affinity.stolen,
             "drained": self.affinity.drained,
             "released": self.intake.released,  # staged jobs it released (FAIR_QUEUE)
@@ -146,6 +149,18 @@ class WorkerHost:
         return stats
 
     # ----- shutdown ----------------------------------------------------------------------------------
+    def _hand_over_own_queue(self) -> None:
+        """What waits in this worker's own queue goes to the shared one, for the other workers: it takes
+        nothing more, and its heartbeat stops advertising the queue (`stats`), where a warm shutdown's
+        grace period kept jobs routed there waiting for its lease to lapse."""
+        if self.affinity.queue is None:
+            return
+        try:
+            if n := self.affinity.move(self.affinity.queue, self.settings.queues.queue):
+                log.info("warm shutdown: %d jobs of this worker's queue go to the shared queue", n)
+        except redis.RedisError as e:
+            log.warning("warm shutdown: this worker's queue stays for the others to drain (%s)", e)
+
     def shutdown(self) -> None:
         """Warm shutdown: stop taking jobs, let running generations finish within the grace period,
         then stop the engine; jobs still inside go back to the queue (their tasks raise Reject)."""
@@ -154,8 +169,13 @@ class WorkerHost:
         if qos is not None and qos.value > 1:
             qos.decrement_eventually(qos.value - 1)
         deadline = time.monotonic() + self.settings.worker.shutdown_grace_s
+        handed = 0.0
         while time.monotonic() < deadline and not self.engine.idle():
+            if time.monotonic() >= handed:  # again each second: clients route by heartbeats a second old
+                self._hand_over_own_queue()
+                handed = time.monotonic() + 1.0
             time.sleep(0.1)
+        self._hand_over_own_queue()
         self.publisher.requeueing = True
         self.inflight.close()  # jobs waiting to enter (behind one running alone) go back to the queue
         self.engine.stop("cancelled", SHUTDOWN)

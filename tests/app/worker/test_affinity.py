@@ -209,3 +209,31 @@ def test_affine_routing_stealing_and_a_killed_workers_queue(service):
     for job in jobs:
         assert job.result(timeout=120)["usage"]["completion_tokens"] == 48
     assert {ran_on(client, job.id) for job, state in zip(jobs, states, strict=True) if state != b"done"} == {names[1]}
+
+
+def test_a_warm_shutdown_hands_its_own_queue_to_the_others_at_once(service):
+    name = "leaving@test"
+    leaving = service.worker(name, concurrency=1, **SLOW)
+    leaving.wait_ready()
+    client = service.client
+    own = worker_queue("weightq", name)
+    client.redis.hdel(WORKER_QUEUES, own)  # as a drain does that took the worker for dead (a long pause)
+    deadline = time.monotonic() + 30
+    while not client.redis.hexists(WORKER_QUEUES, own) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert client.redis.hexists(WORKER_QUEUES, own)  # listed again, for the others to steal from and drain
+    deadline = time.monotonic() + 30
+    while client.router.workers() != {name: own} and time.monotonic() < deadline:  # heartbeats a second old
+        time.sleep(0.1)
+    long = client.submit("a long one", max_new_tokens=300, ignore_eos=True)  # ~3 s of steps: the grace period
+    leaving.wait_stats(lambda s: s.get("active_jobs") == 1)
+    queued = client.submit_many([{"prompt": f"routed {i}", "max_new_tokens": 4} for i in range(4)])
+    assert waiting_counts(client.broker, [own])[0] == 4  # routed to its own queue, waiting behind the long one
+    assert leaving.stop() == 0  # the long job finishes within the grace period; the routed ones are not its
+    assert waiting_counts(client.broker, [own, "weightq"]) == [0, 4]
+    assert long.result(timeout=30)["usage"]["completion_tokens"] == 300
+    other = service.worker("staying@test", **SLOW)
+    other.wait_ready()
+    for job in queued:
+        assert job.result(timeout=120)["usage"]["completion_tokens"] == 4
+        assert ran_on(client, job.id) == "staying@test"
