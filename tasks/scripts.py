@@ -328,10 +328,11 @@ return string.format('%.17g', s)
 # destination's 10 lists, the 10 lists whose messages count as waiting for this worker (the
 # destination's, or the shared queue's too), then per source its fair hash and its 10 staged sets.
 # ARGV: any, urgent, last urgent priority index, sources, whether the destination's waiting messages
-# count against the budgets (all of them against `any`, the urgent classes' against urgent and light:
-# released before and not yet taken), light, whether to count the waiting messages even if nothing is
-# released, heavy tenants... Returns {released, messages of the urgent classes waiting in the lists of
-# both (0, uncounted, when nothing was released, no urgent budget was given, and ARGV[7] is 0)}.
+# count against the budgets (all of them against `any`, the urgent classes' against urgent: released
+# before and not yet taken; not against light, whose jobs go ahead of them), light, whether to count
+# the waiting messages even if nothing is released, heavy tenants... Returns {released, messages of
+# the urgent classes waiting in the lists of both (0, uncounted, when nothing was released, no urgent
+# budget was given, and ARGV[7] is 0)}.
 LIGHT_SCAN = 32  # staged jobs RELEASE looks through for a light tenant's, beyond the room
 RELEASE = """
 local LIGHT_SCAN = @LIGHT_SCAN@
@@ -348,7 +349,6 @@ if ARGV[5] == '1' then
   end
   if any < 0 then any = 0 end
   urgent = math.max(0, urgent - queued_urgent)
-  light = math.max(0, light - queued_urgent)
 end
 local released = 0
 local beyond = {}

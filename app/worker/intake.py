@@ -74,7 +74,8 @@ class Release:
         """Release up to `any_class` staged jobs of `sources` (in order) into `dest`'s lists, then up
         to `urgent` more of the urgent classes, then up to `light` more of the urgent classes of tenants
         not `heavy` (below their share); with `count_waiting`, less what waits in `dest`'s lists already
-        (all of it for `any_class`, the urgent classes' for the others). `watch`: another queue whose
+        (all of it for `any_class`, the urgent classes' for `urgent`; a light tenant's job goes ahead of
+        them). `watch`: another queue whose
         urgent messages this worker takes too (the shared one). The urgent classes' waiting messages are
         counted when something is released or may go beyond the room, or `recount`."""
         keys = [*priority_queues(dest), *priority_queues(watch or dest)]

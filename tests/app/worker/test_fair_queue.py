@@ -133,6 +133,11 @@ def test_release_counts_only_the_urgent_messages_waiting_and_releases_no_more_th
     out = release("q", ["q"], 0, urgent=2)  # one of the two is the message waiting already
     assert (out.jobs, out.waiting) == (1, 2)
     assert taken(r, "q") == ["web0", "released before, not taken yet"]
+    # a light tenant's job goes ahead of what waits, whatever waits: its budget is not cut by it
+    stage(r, "q", "light", "B", 10)
+    r.lpush(priority_queues("q")[4], "a flood's, released before")
+    out = release("q", ["q"], 0, light=1, heavy=("A",))
+    assert out.jobs == 1 and taken(r, "q") == ["light", "a flood's, released before"]
 
 
 def test_a_light_tenants_job_starts_ahead_of_another_tenants_flood(service):
