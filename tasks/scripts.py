@@ -25,9 +25,8 @@ class Aborted(IntEnum):  # ABORT's answer
     SUPERSEDED = 2  # a later run owns the job
 
 
-# Submit: the job's state, tenant and request (kept so that a job whose message is lost can be sent
-# again) and its place in the queued set; a known id keeps what it has.
-# KEYS: job hash, queued set. ARGV: request JSON, now, job ttl, job id, tenant.
+# Submit: the job's state, tenant, request (a job whose message is lost is sent again from it) and place
+# in the queued set; a known id keeps what it has. KEYS: job hash, queued set. ARGV: request, now, ttl, id, tenant.
 SUBMIT = """
 redis.call('HSETNX', KEYS[1], 'state', 'queued')
 redis.call('HSETNX', KEYS[1], 'tenant', ARGV[5])
@@ -39,8 +38,8 @@ redis.call('ZADD', KEYS[2], 'NX', ARGV[2], ARGV[4])
 
 # Back to the queue at a worker's shutdown, queued since `since` (JobRunner._requeue), unless its client
 # cancelled it meanwhile (flagged even if the engine never heard of it): then it ends here, cancelled,
-# with what it had generated. Returns a `Requeued`.
-# KEYS: job hash, queued set, stream. ARGV: since, job id, result JSON, stream maxlen, stream ttl, attempt.
+# with what it had generated. Returns a `Requeued`. KEYS: job hash, queued set, stream. ARGV: since,
+# job id, result JSON, stream maxlen, stream ttl, attempt.
 REQUEUE = """
 if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[6] then return 2 end
 if redis.call('HGET', KEYS[1], 'cancel') then
@@ -63,9 +62,8 @@ return 0
 # same run's BEGIN (lost reply, unconfirmed replicas) answers the same: retries, warm-shutdown
 # requeues and redeliveries never count as crashes.
 # KEYS: job hash, stream, queued set, high-water mark, dead list, the instance's held tags, RESUMING,
-# LEASES.
-# ARGV: stream maxlen, stream ttl, job ttl, max attempts, now, worker name, job id, cancelled result,
-# run id (unique per run), the job's priority class, worker instance, delivery tag ('' if none).
+# LEASES. ARGV: stream maxlen, stream ttl, job ttl, max attempts, now, worker name, job id, cancelled
+# result, run id (unique per run), the job's priority class, worker instance, delivery tag ('' if none).
 # Returns {attempt, '', the job's submission stamp, crashes, resumed from} for a run that starts, else
 # {code < 0, the stored result or the dead letter's message}: -1 cancelled, -2 done, -3 dead-lettered.
 BEGIN = """
@@ -193,14 +191,13 @@ return 1
 
 # Stream entries, applied at most once per (writer, seq). A job's last entry and final state go together
 # (a worker dying after the end never leaves a 'running' job to run again). Fenced: a stream whose job
-# has begun a later run than the writer's (paused, taken for dead, resumed elsewhere) gets nothing.
-# Then one STREAM_TICK entry, after them all, naming the streams written (readers block on it, then read those).
-# KEYS: the writer's key, STREAM_TICK, then streams and job hashes. ARGV: maxlen, stream ttl, job ttl, seq,
-# the number of fences, per fence its stream index, job index (into KEYS) and the writer's attempt;
-# then per entry its stream index and either 0 and a plain token's four values (index, text,
-# token id, emit stamp: most entries, in half the arguments), or -1 and joined tokens' six (first
-# index, count, texts joined, ids, lengths, stamp), or the number of field pairs, the job index
-# (0: none), the number of job-state pairs, the field pairs, the job-state pairs.
+# has begun a later run than the writer's (paused, taken for dead, resumed elsewhere) gets nothing. Then
+# one STREAM_TICK entry naming the streams written (readers block on it, then read those). KEYS: the
+# writer's key, STREAM_TICK, streams and job hashes. ARGV: maxlen, stream ttl, job ttl, seq, the number
+# of fences, per fence its stream index, job index (into KEYS) and the writer's attempt; per entry its
+# stream index and either 0 and a plain token's (index, text, token id, emit stamp: most entries), or -1
+# and joined tokens' (first index, count, texts joined, ids, lengths, stamp), or the number of field
+# pairs, the job index (0: none), the number of job-state pairs, the field pairs, the job-state pairs.
 # Returns the job hashes fenced off.
 WRITE_BATCH = """
 if tonumber(redis.call('GET', KEYS[1]) or '0') >= tonumber(ARGV[4]) then return {} end
@@ -273,10 +270,10 @@ redis.call('EXPIRE', KEYS[2], ARGV[2])
 return 'queued'
 """
 
-# Move waiting messages between two queues, list by list (the most urgent first), the oldest first, up
-# to ARGV[1] of them (0: all), put where they are taken next, in their order: a stealing worker takes a
-# backlogged one's, a dead worker's own queue goes to the shared one. Atomic: never out of Redis.
-# KEYS: the source's lists, then the destination's (as many). ARGV: most messages. Returns the count.
+# Move waiting messages between two queues, list by list (the most urgent first), the oldest first, up to
+# ARGV[1] (0: all), put where they are taken next, in order: a stealing worker takes a backlogged one's, a
+# dead or stopping worker's own queue goes to the shared one. Atomic. KEYS: the source's lists, then the
+# destination's (as many). ARGV: most messages. Returns the count.
 MOVE_QUEUED = """
 local n = tonumber(ARGV[1])
 local half = #KEYS / 2
@@ -315,24 +312,19 @@ redis.call('HINCRBY', KEYS[2], 'n', 1)
 return string.format('%.17g', s)
 """
 
-# Release staged jobs into the lists Celery consumes, the most urgent class first, within a class the
+# Release staged jobs into the lists Celery consumes: the most urgent class first, within a class the
 # smallest start tag first, each source in the order given (a worker's own target, then the shared one).
-# Up to ARGV[1] jobs of any class (what the worker can start now, less what waits in its lists), then up
-# to ARGV[2] more of the urgent classes (priority index <= ARGV[3]: they preempt background work in the
-# engine), then up to ARGV[6] more of the urgent classes whose tenant is not
-# among ARGV[7..] (those holding an equal share of the engine or more), the first such among the next
-# LIGHT_SCAN of the class (past a heavy tenant's jobs at its head): the batcher lets such a job in by
-# preempting the heaviest tenant's newest requests; those beyond the room go to the consuming end of
-# their list, ahead of what the room let in before (Celery takes them next). Each release moves v of its
-# source and class to its start tag (never back). Atomic: a job is never out of Redis. KEYS: the
-# destination's 10 lists, the 10 lists whose messages count as waiting for this worker (the
-# destination's, or the shared queue's too), then per source its fair hash and its 10 staged sets.
-# ARGV: any, urgent, last urgent priority index, sources, whether the destination's waiting messages
-# count against the budgets (all of them against `any`, the urgent classes' against urgent: released
-# before and not yet taken; not against light, whose jobs go ahead of them), light, whether to count
-# the waiting messages even if nothing is released, heavy tenants... Returns {released, messages of
-# the urgent classes waiting in the lists of both (0, uncounted, when nothing was released, no urgent
-# budget was given, and ARGV[7] is 0)}.
+# Up to ARGV[1] of any class, then ARGV[2] more of the urgent classes (priority index <= ARGV[3]), then
+# ARGV[6] more of the urgent classes whose tenant is not among ARGV[8..] (the heavy: an equal share of
+# the engine or more), the first such among the next LIGHT_SCAN (past a heavy tenant's jobs at the
+# head): the batcher preempts the heaviest tenant's newest requests for it. Those beyond ARGV[1] go to
+# the consuming end of their list, ahead of what the room let in before. Each release moves v of its
+# source and class to its tag (never back). Atomic: a job is never out of Redis. KEYS: the destination's
+# 10 lists, the 10 whose messages count as waiting for this worker (the destination's, or the shared
+# queue's), per source its fair hash and 10 staged sets. ARGV[5] '1': the destination's waiting messages
+# count against ARGV[1] (all) and ARGV[2] (the urgent classes', released and not yet taken), never
+# against light, whose jobs go ahead of them. Returns {released, the urgent classes' messages waiting
+# in both's lists: 0, uncounted, when nothing was released, ARGV[2] is 0 and ARGV[7] (recount) is 0}.
 LIGHT_SCAN = 32  # staged jobs RELEASE looks through for a light tenant's, beyond the room
 RELEASE = """
 local LIGHT_SCAN = @LIGHT_SCAN@
