@@ -22,14 +22,15 @@ ROOT = Path(__file__).resolve().parents[2]
 class WorkerProcess:
     """`weightq worker` in a subprocess, ready once its heartbeat appears in Redis."""
 
-    def __init__(self, url: str, name: str, home: Path, **settings: object) -> None:
+    def __init__(self, url: str, name: str, home: Path, *, argv: tuple[str, ...] = (), **settings: object) -> None:
+        """`argv`: more of `weightq worker`'s options (e.g. `-c 4`); `settings`: its environment."""
         self.name = name
         self.log_path = home / f"{name.split('@')[0]}.log"
         env = dict(os.environ, REDIS_URL=url, WEIGHTQ_HOME=str(home), PYTHONUNBUFFERED="1")
         env.update({k.upper(): str(v) for k, v in settings.items()})
         with open(self.log_path, "w") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "weightq.cli", "worker", "-n", name, "-l", "INFO"],
+                [sys.executable, "-m", "weightq.cli", "worker", "-n", name, "-l", "INFO", *argv],
                 cwd=ROOT,
                 env=env,
                 stdout=log,

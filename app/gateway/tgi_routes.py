@@ -119,6 +119,7 @@ def register(app: FastAPI, gw: Gateway) -> None:
         workers = gw.workers()
         any_worker = next(iter(workers.values()), None)
         s = gw.settings
+        threads = s.worker.concurrency
         return {
             "model_id": gw.model,
             "model_dtype": s.served.dtype,
@@ -126,7 +127,8 @@ def register(app: FastAPI, gw: Gateway) -> None:
             "max_input_tokens": any_worker.max_input_length if any_worker else s.served.max_input_length or None,
             "max_total_tokens": any_worker.max_total_tokens if any_worker else s.served.max_total_tokens or None,
             "max_batch_total_tokens": any_worker.max_batch_weight if any_worker else None,
-            "max_concurrent_requests": s.worker.concurrency * max(1, len(workers)),
+            # each worker's task threads as its pool runs them (heartbeat), else CONCURRENCY
+            "max_concurrent_requests": sum(int(w.stats.get("threads") or threads) for w in workers.values()) or threads,
             "workers": len(workers),
             "router": "weightq",
             "version": gw.version,

@@ -47,6 +47,17 @@ def _exit_worker(message: str) -> None:
     os._exit(70)
 
 
+def pool_sized(settings: Settings, worker) -> Settings:
+    """The settings with CONCURRENCY as the pool runs it: `celery worker -c 16` (or `weightq worker -c`)
+    beside the default CONCURRENCY=128 would otherwise plan slots the pool does not have, so the
+    threads reserved for interactive work (INTERACTIVE_SLOTS) would all hold background jobs."""
+    threads = getattr(worker, "max_concurrency", None) or getattr(worker, "concurrency", None)
+    if not isinstance(threads, int) or threads < 1 or threads == settings.worker.concurrency:
+        return settings
+    log.info("the pool runs %d task threads: CONCURRENCY=%d set aside", threads, settings.worker.concurrency)
+    return settings.replace(concurrency=threads)
+
+
 class EngineStep(bootsteps.StartStopStep):
     requires = ("celery.worker.components:Pool",)
 
@@ -58,7 +69,8 @@ class EngineStep(bootsteps.StartStopStep):
         self.host: WorkerHost | None = None
 
     def start(self, worker) -> None:
-        settings = Settings.from_env().check()  # every group now: a web process checks only those it reads
+        # every group now (a web process checks only those it reads), CONCURRENCY as the pool runs it
+        settings = pool_sized(Settings.from_env().check(), worker)
         instance = new_instance(worker.hostname)
         # A connection for every task thread, plus the host's loops and the stream writer: redis-py 8
         # caps a pool at 100 by default and then raises instead of waiting (at a warm shutdown, 128

@@ -133,6 +133,7 @@ class WorkerHost:
         stats = self.engine.stats() | {
             "active_jobs": len(self.inflight),
             "hostname": self.hostname,
+            "threads": s.worker.concurrency,  # its pool's task threads (the pool's count wins over CONCURRENCY)
             "queue": s.queues.queue,  # what `weightq batch` and the gateway's queue depth look for
             # where clients route this worker's prefixes (None: off, or shutting down: route elsewhere)
             "own_queue": None if self.stopping.is_set() else self.affinity.queue,

@@ -128,6 +128,7 @@ def test_tgi_client_generate_and_stream(stack):
         stack.tgi.generate("x", max_new_tokens=4, best_of=2)  # greedy: nothing to choose from
     info = httpx.get(stack.base + "/info", headers=stack.headers).json()
     assert info["model_id"] == "builtin:tiny" and info["max_batch_total_tokens"] == 8192 and info["workers"] == 1
+    assert info["max_concurrent_requests"] == 32  # the worker's task threads (CONCURRENCY=32 there)
 
 
 def _cancelled_jobs(url: str) -> list[str]:

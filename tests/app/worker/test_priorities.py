@@ -77,3 +77,24 @@ def test_a_plain_celery_app_configured_as_the_readme_says_files_a_class_where_we
         app.send_task("weightq.generate", args=[{"prompt": "Hi", "priority": 5}], queue="weightq", priority=4)
         assert [r.llen(q) for q in lists].index(1) == want  # lists[i] is class 9 - i
         r.delete(*lists)
+
+
+def test_a_worker_started_with_fewer_threads_than_concurrency_still_keeps_one_for_interactive_work(service):
+    """`weightq worker -c 4` with CONCURRENCY=64 in the environment: the worker plans for the 4 threads
+    its pool runs, so background jobs leave one to the urgent classes (INTERACTIVE_SLOTS resolves to 1),
+    and an interactive job starts while every background job still runs. Planned for 64, it would have
+    prefetched every background job onto 4 threads, the interactive one queued behind them."""
+    r = redis.Redis.from_url(service.url)
+    sim = dict(runner="simulated", sim_step_cost="0.01,0,0", max_batch_weight=8192)  # 10 ms a step
+    worker = service.worker(argv=("-c", "4"), concurrency=64, **sim).wait_ready()
+    assert worker.wait_stats(lambda s: "threads" in s)["threads"] == 4
+    background = service.client.submit_many(
+        [{"prompt_token_ids": [9, i, 7], "max_new_tokens": 400, "ignore_eos": True, "priority": 0} for i in range(8)]
+    )
+    worker.wait_stats(lambda s: s.get("active_jobs", 0) >= 3)
+    urgent = service.client.submit(prompt_token_ids=[5, 6, 7], max_new_tokens=4, priority=9)
+    assert urgent.result(timeout=60)["usage"]["completion_tokens"] == 4
+    ended = [j.id for j in background if r.hget(job_key(j.id), "state") == b"done"]
+    assert not ended, f"the interactive job waited for background jobs to finish: {ended}"
+    for job in background:
+        job.cancel()
