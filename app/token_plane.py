@@ -1,13 +1,14 @@
 """The token plane's Redis servers: one, or several shards (STREAMS_REDIS_URL's comma-separated list).
 
-A job's stream and hash live on the shard its id hashes to (tasks/contract.py: `shard_of`), beside that
+A job's stream and hash live on the shard its id names or hashes to (tasks/contract.py: `shard_of`), beside that
 shard's own index keys (queued, resuming, dead-lettered, started high-water marks, engine-jobs and held
 sets, a copy of the leases, the stream tick). So every Lua script of the contract runs on one server and
 stays atomic, a job's writes and reads go to one server, and each shard carries only its jobs' tokens:
 adding a shard adds its capacity. The pool's own keys (heartbeats, leases, worker queues, LoRA, the
-recovery lock) live on the first server, the home. Sharding by hashing the id, as Redis Cluster does by
-slot, needs no directory; the price is that the list must not change while jobs are in flight (a job's
-shard would move under it): add shards on a drained plane (README, "The token plane").
+recovery lock) live on the first server, the home. The id says where its keys are, so no directory is
+needed: an id drawn here names its shard (`on_shard`), and a shard added to the end of the list moves
+none of them; an id of the caller's own is hashed, as Redis Cluster hashes keys to slots, and moves when
+the list grows (README, "The token plane": adding a shard, in order).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import redis
 from weightq.redis_conn import Durable, connect
 from weightq.settings import RedisSettings
-from weightq.tasks.contract import shard_of
+from weightq.tasks.contract import on_shard, shard_of
 
 
 class TokenPlane:
@@ -43,21 +44,19 @@ class TokenPlane:
     def index(self, job_id: str) -> int:
         return shard_of(job_id, len(self.shards))
 
-    def new_id(self, span: tuple[float, float] | None = None) -> str:
-        """A fresh job id, on a shard drawn from `span` (a range of shard positions, `Router.shard_span`)
-        when there are several: the jobs a worker is sent then live on one or two shards, so each of
-        its writes goes to few servers, and a shard's writes come from its share of the workers (the
-        per-write cost, not only the per-token one, divides by the shards). A hint, not a rule: any
-        worker can run any job, on whatever shard its id names."""
-        job_id = uuid.uuid4().hex
+    def new_id(self, span: tuple[float, float] | None = None, name: str | None = None) -> str:
+        """A fresh job id (or `name`, made an id), on a shard drawn from `span` (a range of shard
+        positions, `Router.shard_span`) when there are several, else from all: the jobs a worker is
+        sent then live on one or two shards, so each of its writes goes to few servers, and a shard's
+        writes come from its share of the workers (the per-write cost, not only the per-token one,
+        divides by the shards). A hint, not a rule: any worker can run any job, on whatever shard its
+        id names. On several shards the id names its shard, so adding one moves no job (`shard_of`)."""
+        job_id = name or uuid.uuid4().hex
         n = len(self.shards)
-        if n == 1 or span is None:
+        if n == 1:
             return job_id
-        lo, hi = span
-        shard = min(n - 1, int(lo + random.random() * (hi - lo)))
-        while shard_of(job_id, n) != shard:  # n draws on average, each a CRC32 of 32 characters
-            job_id = uuid.uuid4().hex
-        return job_id
+        lo, hi = span if span is not None else (0, n)
+        return on_shard(job_id, min(n - 1, int(lo + random.random() * (hi - lo))))
 
     def of(self, job_id: str) -> redis.Redis:
         """The client of the shard that holds the job's keys."""

@@ -122,11 +122,28 @@ SINGLETONS = (
 )  # fmt: skip
 
 
+SHARD_TAG = ".s"  # a job id made on a sharded plane ends with its shard: "<hex>.s<k>" (`on_shard`)
+
+
 def shard_of(job_id: str, shards: int) -> int:
-    """The token-plane shard that holds the job's keys (of STREAMS_REDIS_URL's list): a hash of its id,
-    so that every client, gateway and worker finds it from the id alone. CRC32, as Redis Cluster's
-    slots use a CRC: stable across processes and Python versions, unlike hash()."""
-    return zlib.crc32(job_id.encode()) % shards if shards > 1 else 0
+    """The token-plane shard that holds the job's keys (of STREAMS_REDIS_URL's list), from the id alone,
+    so every client, gateway and worker finds it without a directory. An id that names its shard
+    (`on_shard`: every id weightq draws on a sharded plane) stays there when shards are added to the
+    end of the list; any other (a caller's own `request_id`, an id drawn on one Redis) is hashed, CRC32
+    as Redis Cluster's slots are (stable across processes and Python versions, unlike hash()), and
+    moves when the list grows. A named shard beyond the list (a process whose list is older than the
+    id's maker's) hashes too: the README's rollout order keeps that from happening."""
+    if shards <= 1:
+        return 0
+    _, tag, k = job_id.rpartition(SHARD_TAG)
+    if tag and k.isdigit() and len(k) <= 4 and (n := int(k)) < shards:
+        return n
+    return zlib.crc32(job_id.encode()) % shards
+
+
+def on_shard(name: str, shard: int) -> str:
+    """`name` as the id of a job whose keys live on `shard` (whatever the list's length, `shard_of`)."""
+    return f"{name}{SHARD_TAG}{shard}"
 
 
 def stream_key(job_id: str) -> str:

@@ -152,7 +152,7 @@ class BatchRun:
                 self.progress.refused += 1
                 self.fail(fmt.failed(line_id, None, None, *error))
                 continue
-            job_id = f"batch-{self.run_tag}-{n}"
+            job_id = self.client.plane.new_id(name=f"batch-{self.run_tag}-{n}")  # on a shard of its own naming
             try:
                 req = replace(fmt.request(obj, self.priority), request_id=job_id)
                 while len(self.inflight) >= self.max_in_flight:

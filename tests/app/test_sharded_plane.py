@@ -9,12 +9,15 @@ import time
 
 import httpx
 import pytest
-from weightq.cli.processes import GatewayProcess
+import redis
+from weightq.cli.processes import GatewayProcess, WorkerProcess
+from weightq.client import Client
+from weightq.settings import Settings
 from weightq.tasks.contract import HEARTBEATS, LEASES, QUEUED, STREAM_TICK, job_key, shard_of, stream_key
 
 from tests.app.test_split_plane import kill_one_and_check_resume
 from tests.app.worker.test_crash_resume import check_one_generation
-from tests.servers import PlaneStack, embedded_redis, queued_messages, take_queued
+from tests.servers import PLANE_WORKER, PlaneStack, embedded_redis, queued_messages, take_queued
 from tests.sse_client import openai_text, read_sse
 
 pytestmark = pytest.mark.service  # real Redis servers and worker processes
@@ -138,3 +141,40 @@ def test_a_lost_message_is_sent_again_from_its_shard(plane):
     result = job.result(timeout=60)
     assert result["usage"]["completion_tokens"] == 5 and result["attempt"] == 1
     assert plane.shards[1].zscore(QUEUED, job_id) is None
+
+
+def test_a_shard_added_while_jobs_run_moves_none_of_them(plane, tmp_path_factory):
+    """Rolled out as the README says: a worker on the longer list starts, the one on the old list stops
+    (warm: its running jobs go back and resume on the new one), then clients use the longer list. The
+    jobs drawn on two shards keep their keys where they were and finish as one generation each; jobs
+    drawn after land on the third too."""
+    server = embedded_redis(tmp_path_factory, "added")
+    third = next(server)
+    try:
+        slow = dict(runner="simulated", sim_step_cost="0.01,0,0", shutdown_grace_s=0.5)
+        before = plane.worker("before@test", **slow).wait_ready()
+        early = [plane.client.submit(f"before {i}", max_new_tokens=300, ignore_eos=True) for i in range(8)]
+        assert {shard_of(j.id, 2) for j in early} == {0, 1}
+        before.wait_stats(lambda s: s.get("active_jobs", 0) >= 4)
+        longer = f"{plane.streams_redis_url},{third}"
+        after = WorkerProcess(plane.url, "after@test", plane.home, streams_redis_url=longer, **(PLANE_WORKER | slow))
+        try:
+            after.wait_ready()
+            assert before.stop() == 0
+            grown = Client(plane.url, settings=Settings(redis_url=plane.url, streams_redis_url=longer))
+            late = [grown.submit(f"after {i}", max_new_tokens=4) for i in range(30)]
+            added = redis.Redis.from_url(third, decode_responses=True)
+            for job in early:
+                result = grown.job(job.id).result(timeout=120)
+                assert result["usage"]["completion_tokens"] == 300
+                assert shard_of(job.id, 3) == shard_of(job.id, 2)  # where it was: no key moved
+                check_one_generation(plane.shard(job.id), job.id, result)
+                assert not added.exists(job_key(job.id), stream_key(job.id))
+            assert any(added.hget(job_key(job.id), "state") == "done" for job in late)
+            for job in late:
+                assert grown.job(job.id).result(timeout=60)["usage"]["completion_tokens"] == 4
+            assert after.wait_stats(lambda s: s.get("finished", 0) >= 30)  # the new worker ran them all
+        finally:
+            after.kill()
+    finally:
+        next(server, None)
