@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from .errors import HTTPError
 
 # two group commits' worth (submitter.MAX_BATCH): a tenant's next batch is parsed while one is written
-TURNS_PER_TENANT = 256
+TURNS_PER_TENANT = 64
 
 
 @dataclass(slots=True)
