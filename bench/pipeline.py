@@ -30,7 +30,15 @@ from weightq.client import Client
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from weightq.redis_conn import raw_xread, xread_streams
 from weightq.settings import Settings
-from weightq.tasks.contract import END_TYPES, STREAM_TICK, TICKS_KEPT, EntryType, stream_key
+from weightq.tasks.contract import (
+    END_TYPES,
+    STREAM_TICK,
+    TICKS_KEPT,
+    EntryType,
+    stream_key,
+    tick_entries,
+    tick_streams,
+)
 
 BUDGET = 65536
 TICK = os.sysconf("SC_CLK_TCK")
@@ -71,20 +79,30 @@ def inproc(work, runner: dict) -> tuple[float, dict]:
 
 def follow(url: str, ids: list[str] | None, out: Connection) -> None:
     """One reader for every stream, in a process of its own (as a gateway is: sharing the
-    submitting client's GIL added its switch interval to every read): XREAD over all unfinished keys
-    until each has ended, then the latencies (read time - emit stamp) go back over `out`. Between reads it
-    blocks on the workers' STREAM_TICK stream and reads the streams its ticks name (all of them when
-    none came, or some may be trimmed), and replies are read as hiredis parses them (app/redis_conn.py:
-    raw_xread), as the gateway's hub does. `ids` None: they come over `out` (duplex) after "ready", for
-    jobs whose ids the client draws at submission."""
+    submitting client's GIL added its switch interval to every read), until each stream has ended;
+    then the latencies (read time - emit stamp) go back over `out`. As the gateway's hub does, it
+    blocks on the workers' STREAM_TICK stream, takes the entries each tick carries (tasks/ticks.py),
+    and XREADs only the streams a tick cannot stand in for (all of them when no tick came, or some
+    may be trimmed), replies read as hiredis parses them (app/redis_conn.py: raw_xread). `ids` None:
+    they come over `out` (duplex) after "ready", for jobs whose ids the client draws at submission."""
     r = redis.Redis.from_url(url, socket_timeout=30)
     raw_xread(r)
     r.ping()
     latencies: list[float] = []
-    token, ends = EntryType.TOKEN.encode(), {t.encode() for t in END_TYPES}
     cpu0 = cpu_s()  # the reader's own work, not its start-up imports
     out.send("ready")
     last = {stream_key(i): "0-0" for i in (out.recv() if ids is None else ids)}
+
+    def take(key: str, entries: list, now: float) -> None:
+        for entry_id, raw in entries:
+            last[key] = entry_id
+            fields = dict(zip(raw[::2], raw[1::2], strict=True))
+            if fields["type"] == EntryType.TOKEN:  # a joined entry's tokens, each at its first one's latency
+                latencies.extend([now - float(fields["ts"])] * int(fields.get("n", 1)))
+            elif fields["type"] in END_TYPES:
+                del last[key]
+                return
+
     tick, named = "0-0", None  # None: read every unfinished stream
     while last:
         streams = last if named is None else {k: last[k] for k in named if k in last}
@@ -92,24 +110,29 @@ def follow(url: str, ids: list[str] | None, out: Connection) -> None:
         now = time.time()
         full = False
         for key, entries in xread_streams(resp):
-            key, full = key.decode(), full or len(entries) >= 1000
-            for entry_id, raw in entries:
-                last[key] = entry_id
-                fields = dict(zip(raw[::2], raw[1::2], strict=True))
-                if fields[b"type"] == token:  # a joined entry's tokens, each at its first one's latency
-                    latencies += [now - float(fields[b"ts"])] * int(fields.get(b"n", 1))
-                elif fields[b"type"] in ends:
-                    del last[key]
-                    break
+            full = full or len(entries) >= 1000
+            take(key.decode(), [(i.decode(), [x.decode() for x in raw]) for i, raw in entries], now)
         named = None
         if last and not full:
-            for _, entries in xread_streams(
-                r.xread({STREAM_TICK: tick}, block=100, count=TICKS_KEPT)
-            ):  # the next batch
-                tick = entries[-1][0]
-                ids = [dict(zip(raw[::2], raw[1::2], strict=True)).get(b"keys") for _, raw in entries]
-                if len(entries) < TICKS_KEPT and None not in ids:
-                    named = {k for b in ids if b for k in b.decode().split(" ")}
+            for _, entries in xread_streams(r.xread({STREAM_TICK: tick}, block=100, count=TICKS_KEPT)):
+                tick, now, named = entries[-1][0], time.time(), set()
+                for _, raw in entries:
+                    fields = dict(zip(raw[::2], raw[1::2], strict=True))
+                    keys, data = fields.get(b"keys"), fields.get(b"data")
+                    parts = tick_streams(None if keys is None else keys.decode(), data and data.decode())
+                    if parts is None or len(entries) >= TICKS_KEPT:
+                        named = None
+                        break
+                    for key, part in parts:
+                        if key not in last:
+                            continue
+                        before, carried = tick_entries(part) if part else ("", [])
+                        if before and before == last[key]:
+                            take(key, carried, now)
+                        else:
+                            named.add(key)
+                if named is None:
+                    break
     out.send((latencies, cpu_s() - cpu0))
 
 

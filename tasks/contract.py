@@ -69,25 +69,26 @@ from .entries import (  # noqa: F401
     token_count,
     token_parts,
 )
-from .results import Finished
 
-# the atomic state changes, in Lua (scripts.py), are part of the contract: importable from here
+# the atomic state changes, in Lua (scripts.py, queue_scripts.py), are part of the contract: importable from here
+from .queue_scripts import MOVE_QUEUED, RELEASE, STAGE  # noqa: F401
+from .results import Finished
 from .scripts import (  # noqa: F401
     ABORT,
     BEGIN,
     CANCEL,
     CHARGE,
     FAIL,
-    MOVE_QUEUED,
-    RELEASE,
     REQUEUE,
-    STAGE,
     SUBMIT,
     WRITE_BATCH,
     Aborted,
     Begun,
     Requeued,
 )  # fmt: skip
+
+# what a STREAM_TICK entry carries (ticks.py), and how a reader takes it apart
+from .ticks import tick_entries, tick_streams  # noqa: F401
 
 TASK_NAME = "weightq.generate"
 
@@ -102,8 +103,9 @@ RECOVER_LOCK = "weightq:recover-lock"
 LEASES = "weightq:leases"
 RESUMING = "weightq:resuming"
 # One entry per batch of stream entries a worker writes (WRITE_BATCH; FAIL too), the last 64 kept, its
-# "keys" the streams written to (space-separated): a reader following many streams blocks on this one key, then
-# reads only the streams named (a blocked XREAD of hundreds of keys cost a full command to send, and
+# "keys" the streams written to (space-separated) and its "data" what was written to each (tasks/ticks.py):
+# a reader following many streams blocks on this one key, takes the entries it carries, and reads only
+# the streams where it cannot (a blocked XREAD of hundreds of keys cost a full command to send, and
 # Redis 6 answered it with just the stream that woke it). An entry without "keys": read them all.
 STREAM_TICK = "weightq:stream-tick"
 TICKS_KEPT = 64  # its length (the scripts' MAXLEN): a reader that reads this many may have missed some

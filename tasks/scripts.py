@@ -192,18 +192,30 @@ return 1
 # Stream entries, applied at most once per (writer, seq). A job's last entry and final state go together
 # (a worker dying after the end never leaves a 'running' job to run again). Fenced: a stream whose job
 # has begun a later run than the writer's (paused, taken for dead, resumed elsewhere) gets nothing. Then
-# one STREAM_TICK entry naming the streams written (readers block on it, then read those). KEYS: the
-# writer's key, STREAM_TICK, streams and job hashes. ARGV: maxlen, stream ttl, job ttl, seq, the number
-# of fences, per fence its stream index, job index (into KEYS) and the writer's attempt; per entry its
-# stream index and either 0 and a plain token's (index, text, token id, emit stamp: most entries), or -1
-# and joined tokens' (first index, count, texts joined, ids, lengths, stamp), or the number of field
-# pairs, the job index (0: none), the number of job-state pairs, the field pairs, the job-state pairs.
-# Returns the job hashes fenced off.
+# one STREAM_TICK entry naming the streams written and carrying what was written to each (TICK_DATA,
+# contract.py: `tick_segments`), so a reader that follows many streams reads one entry per batch instead
+# of one per stream. KEYS: the writer's key, STREAM_TICK, streams and job hashes. ARGV: maxlen, stream
+# ttl, job ttl, seq, the number of fences, per fence its stream index, job index (into KEYS) and the
+# writer's attempt; per entry its stream index and either 0 and a plain token's (index, text, token id,
+# emit stamp: most entries), or -1 and joined tokens' (first index, count, texts joined, ids, lengths,
+# stamp), or the number of field pairs, the job index (0: none), the number of job-state pairs, the
+# field pairs, the job-state pairs. Returns the job hashes fenced off.
 WRITE_BATCH = """
 if tonumber(redis.call('GET', KEYS[1]) or '0') >= tonumber(ARGV[4]) then return {} end
 redis.call('SET', KEYS[1], ARGV[4], 'EX', 86400)
 local maxlen = ARGV[1]
-local fenced, out, wrote = {}, {}, {}
+local fenced, out, segs, order = {}, {}, {}, {}
+local function add(s, f)
+  local key, seg = KEYS[tonumber(s)], segs[s]
+  if seg == nil then  -- the entry before this batch's first: a reader there may take the batch as is
+    local last = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)
+    seg = {last[1] and last[1][1] or '0-0'}
+    segs[s] = seg
+    order[#order + 1] = s
+  end
+  seg[#seg + 1] = redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', unpack(f))
+  seg[#seg + 1] = f
+end
 local i = 6
 for _ = 1, tonumber(ARGV[5]) do
   local job = KEYS[tonumber(ARGV[i + 1])]
@@ -214,30 +226,29 @@ for _ = 1, tonumber(ARGV[5]) do
   i = i + 3
 end
 while i <= #ARGV do
-  local key = KEYS[tonumber(ARGV[i])]
-  local skip = fenced[tonumber(ARGV[i])]
+  local s = ARGV[i]
+  local skip = fenced[tonumber(s)]
   local n = tonumber(ARGV[i + 1])
-  if not skip then wrote[ARGV[i]] = true end
   if n == 0 then
     if not skip then
-      redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', 'type', 'token', 'i', ARGV[i + 2], 'text', ARGV[i + 3],
-        'id', ARGV[i + 4], 'ts', ARGV[i + 5])
+      add(s, {'type', 'token', 'i', ARGV[i + 2], 'text', ARGV[i + 3], 'id', ARGV[i + 4], 'ts', ARGV[i + 5]})
     end
     i = i + 6
   elseif n == -1 then
     if not skip then
-      redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', 'type', 'token', 'i', ARGV[i + 2], 'n', ARGV[i + 3],
-        'text', ARGV[i + 4], 'id', ARGV[i + 5], 'len', ARGV[i + 6], 'ts', ARGV[i + 7])
+      add(s, {'type', 'token', 'i', ARGV[i + 2], 'n', ARGV[i + 3], 'text', ARGV[i + 4], 'id', ARGV[i + 5],
+        'len', ARGV[i + 6], 'ts', ARGV[i + 7]})
     end
     i = i + 8
   elseif skip then
     i = i + 4 + 2 * n + 2 * tonumber(ARGV[i + 3])
   else
     local job, m = tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
-    local cmd = {'XADD', key, 'MAXLEN', '~', maxlen, '*'}
-    for j = 1, 2 * n do cmd[#cmd + 1] = ARGV[i + 3 + j] end
-    redis.call(unpack(cmd))
+    local f = {}
+    for j = 1, 2 * n do f[j] = ARGV[i + 3 + j] end
+    add(s, f)
     if job > 0 then
+      local key = KEYS[tonumber(s)]
       redis.call('EXPIRE', key, ARGV[2])
       local h = {'HSET', KEYS[job]}
       for j = 1, 2 * m do h[#h + 1] = ARGV[i + 3 + 2 * n + j] end
@@ -247,11 +258,19 @@ while i <= #ARGV do
     i = i + 4 + 2 * n + 2 * m
   end
 end
-local ids = {}
-for k in pairs(wrote) do ids[#ids + 1] = KEYS[tonumber(k)] end
-redis.call('XADD', KEYS[2], 'MAXLEN', '64', '*', 'seq', ARGV[4], 'keys', table.concat(ids, ' '))
+local ids, data, size = {}, {}, 0
+for n, s in ipairs(order) do
+  ids[n] = KEYS[tonumber(s)]
+  local seg = size < @TICK_DATA@ and cjson.encode(segs[s]) or ''
+  if #seg > @TICK_DATA@ - size then seg = '' end  -- too much to keep in a tick: readers read the stream
+  data[n], size = seg, size + #seg
+end
+redis.call('XADD', KEYS[2], 'MAXLEN', '64', '*', 'seq', ARGV[4], 'keys', table.concat(ids, ' '),
+  'data', table.concat(data, '\\30'))
 return out
 """
+TICK_DATA = 131_072  # bytes of entries a tick carries at most (64 ticks kept: 8 MiB a shard at worst)
+WRITE_BATCH = WRITE_BATCH.replace("@TICK_DATA@", str(TICK_DATA))
 
 # Cancel from a client: a queued job ends here and now; a running one is flagged for its worker.
 CANCEL = """
@@ -269,132 +288,3 @@ redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'type', 'end', 'reason'
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 return 'queued'
 """
-
-# Move waiting messages between two queues, list by list (the most urgent first), the oldest first, up to
-# ARGV[1] (0: all), put where they are taken next, in order: a stealing worker takes a backlogged one's, a
-# dead or stopping worker's own queue goes to the shared one. Atomic. KEYS: the source's lists, then the
-# destination's (as many). ARGV: most messages. Returns the count.
-MOVE_QUEUED = """
-local n = tonumber(ARGV[1])
-local half = #KEYS / 2
-local moved = 0
-for i = 1, half do
-  local got = {}
-  while n == 0 or moved < n do
-    local m = redis.call('RPOP', KEYS[i])
-    if not m then break end
-    got[#got + 1] = m
-    moved = moved + 1
-  end
-  for j = #got, 1, -1 do
-    redis.call('RPUSH', KEYS[half + i], got[j])
-  end
-end
-return moved
-"""
-
-# Fair staging (start-time fair queuing, Goyal et al. 1996, charged in weight units). A staged job of
-# tenant t and weight w gets the start tag S = max(v, F_t), and F_t becomes S + w: a tenant's jobs keep
-# their order, a flooding tenant's tags run far ahead of v, and a tenant back from idle starts at v
-# (staying away saves no credit). Jobs are released by class, then by start tag. A member is
-# "<tenant> <the kombu message>" (a tenant holds no space: ID_PATTERN). The hash's `n` counts the staged
-# jobs (only RELEASE takes it down), so an idle worker's release costs a read, not a look at twenty sets.
-# KEYS: the staged set of the job's priority, the target's fair hash. ARGV: the kombu message (as kombu
-# would push it), tenant, weight, its priority index (each class has its virtual clock `v:<index>`;
-# a tenant's finish tag counts its service in every class). Returns the start tag.
-STAGE = """
-local v = tonumber(redis.call('HGET', KEYS[2], 'v:' .. ARGV[4]) or '0')
-local f = tonumber(redis.call('HGET', KEYS[2], 't:' .. ARGV[2]) or '0')
-local s = math.max(v, f)
-redis.call('HSET', KEYS[2], 't:' .. ARGV[2], string.format('%.17g', s + tonumber(ARGV[3])))
-redis.call('ZADD', KEYS[1], string.format('%.17g', s), ARGV[2] .. ' ' .. ARGV[1])
-redis.call('HINCRBY', KEYS[2], 'n', 1)
-return string.format('%.17g', s)
-"""
-
-# Release staged jobs into the lists Celery consumes: the most urgent class first, within a class the
-# smallest start tag first, each source in the order given (a worker's own target, then the shared one).
-# Up to ARGV[1] of any class, then ARGV[2] more of the urgent classes (priority index <= ARGV[3]), then
-# ARGV[6] more of the urgent classes whose tenant is not among ARGV[8..] (the heavy: an equal share of
-# the engine or more), the first such among the next LIGHT_SCAN (past a heavy tenant's jobs at the
-# head): the batcher preempts the heaviest tenant's newest requests for it. Those beyond ARGV[1] go to
-# the consuming end of their list, ahead of what the room let in before. Each release moves v of its
-# source and class to its tag (never back). Atomic: a job is never out of Redis. KEYS: the destination's
-# 10 lists, the 10 whose messages count as waiting for this worker (the destination's, or the shared
-# queue's), per source its fair hash and 10 staged sets. ARGV[5] '1': the destination's waiting messages
-# count against ARGV[1] (all) and ARGV[2] (the urgent classes', released and not yet taken), never
-# against light, whose jobs go ahead of them. Returns {released, the urgent classes' messages waiting
-# in both's lists: 0, uncounted, when nothing was released, ARGV[2] is 0 and ARGV[7] (recount) is 0}.
-LIGHT_SCAN = 32  # staged jobs RELEASE looks through for a light tenant's, beyond the room
-RELEASE = """
-local LIGHT_SCAN = @LIGHT_SCAN@
-local any, urgent, last = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local sources, light = tonumber(ARGV[4]), tonumber(ARGV[6])
-local heavy = {}
-for i = 8, #ARGV do heavy[ARGV[i]] = true end
-if ARGV[5] == '1' then
-  local queued_urgent = 0
-  for p = 1, 10 do
-    local n = redis.call('LLEN', KEYS[p])
-    any = any - n
-    if p - 1 <= last then queued_urgent = queued_urgent + n end
-  end
-  if any < 0 then any = 0 end
-  urgent = math.max(0, urgent - queued_urgent)
-end
-local released = 0
-local beyond = {}
-local staged_any = {}
-for s = 0, sources - 1 do
-  staged_any[s] = tonumber(redis.call('HGET', KEYS[21 + s * 11], 'n') or '0') > 0
-end
-for p = 0, 9 do
-  for s = 0, sources - 1 do
-    local base = 20 + s * 11
-    local fair, staged = KEYS[base + 1], KEYS[base + 2 + p]
-    while staged_any[s] and (any > 0 or (p <= last and (urgent > 0 or light > 0))) do
-      local member, tag, past = nil, nil, any == 0
-      if any > 0 or (p <= last and urgent > 0) then
-        local head = redis.call('ZRANGE', staged, 0, 0, 'WITHSCORES')
-        if #head == 0 then break end
-        member, tag = head[1], head[2]
-        if any > 0 then any = any - 1 else urgent = urgent - 1 end
-      else
-        -- the first job of a tenant not heavy among the next few: a heavy tenant's job at the head
-        -- (its tag ahead by one job) must not hold a light tenant's back until the engine has room
-        local ahead = redis.call('ZRANGE', staged, 0, LIGHT_SCAN - 1, 'WITHSCORES')
-        for j = 1, #ahead, 2 do
-          local cut = string.find(ahead[j], ' ', 1, true)
-          if not heavy[string.sub(ahead[j], 1, cut - 1)] then member, tag = ahead[j], ahead[j + 1]; break end
-        end
-        if member == nil then break end
-        light = light - 1
-      end
-      local space = string.find(member, ' ', 1, true)
-      redis.call('ZREM', staged, member)
-      redis.call('HINCRBY', fair, 'n', -1)
-      if past then  -- beyond the room: taken before what waits in the list (pushed at its consuming end below)
-        beyond[p] = beyond[p] or {}
-        table.insert(beyond[p], string.sub(member, space + 1))
-      else
-        redis.call('LPUSH', KEYS[1 + p], string.sub(member, space + 1))
-      end
-      local v = tonumber(redis.call('HGET', fair, 'v:' .. p) or '0')
-      if tonumber(tag) > v then redis.call('HSET', fair, 'v:' .. p, tag) end
-      released = released + 1
-    end
-  end
-end
-for p, jobs in pairs(beyond) do
-  for i = #jobs, 1, -1 do redis.call('RPUSH', KEYS[1 + p], jobs[i]) end
-end
-local waiting = 0
--- counted only when something may have gone beyond the room: an idle worker's look stays two reads
-if released == 0 and ARGV[2] == '0' and ARGV[7] ~= '1' then return {0, 0} end
-for p = 0, last do
-  waiting = waiting + redis.call('LLEN', KEYS[1 + p])
-  if KEYS[11 + p] ~= KEYS[1 + p] then waiting = waiting + redis.call('LLEN', KEYS[11 + p]) end
-end
-return {released, waiting}
-"""
-RELEASE = RELEASE.replace("@LIGHT_SCAN@", str(LIGHT_SCAN))

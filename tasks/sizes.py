@@ -41,7 +41,7 @@ def check_request_size(jobs: list[Mapping], n: int = 1, field: str = "prompt") -
 def job_weight(job: JobRequest) -> int:
     """A job's weight in the batcher's units, estimated without a tokenizer: its prompt's tokens
     (token ids counted, text at CHARS_PER_TOKEN characters a token) plus its new tokens. Fair staging
-    charges a tenant this much per job (tasks/scripts.py: STAGE)."""
+    charges a tenant this much per job (tasks/queue_scripts.py: STAGE)."""
     if job.prompt_token_ids is not None:
         prompt = len(job.prompt_token_ids)
     elif job.messages is not None:

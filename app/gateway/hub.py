@@ -3,8 +3,11 @@
 A blocked XREAD per HTTP client would need a Redis connection per client; the hub instead keeps one
 reader task that XREADs every followed stream at once and hands entries to each follower.
 Between reads it blocks on the workers' STREAM_TICK stream (one entry per batch they write), not on every
-followed stream. A follower that registers while the hub waits is picked up on the next round (the
-wait is short), and it reads from its own `last_id`, so nothing written before it registered is missed.
+followed stream, and takes what each tick carries (tasks/ticks.py: the entries of the batch): a followed
+stream is read only where a tick cannot stand in for it (a follower not where the batch begins, an
+entry written without a tick), so Redis sends each entry once per gateway, not once per stream read.
+A follower that registers while the hub waits is picked up on the next round (the wait is short),
+and it reads from its own `last_id`, so nothing written before it registered is missed.
 A stream may have several followers (a client resuming a stream that is still live): the hub reads it
 from the earliest of their positions and gives each what lies past its own.
 With a sharded token plane (STREAMS_REDIS_URL lists several servers) the hub reads each shard in a
@@ -21,7 +24,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aredis
 from weightq.redis_conn import connect_async, raw_xread, xread_streams
 from weightq.settings import RedisSettings
-from weightq.tasks.contract import STREAM_TICK, TICKS_KEPT, is_end, shard_of, stream_key
+from weightq.tasks.contract import STREAM_TICK, TICKS_KEPT, is_end, shard_of, stream_key, tick_entries, tick_streams
 
 log = logging.getLogger(__name__)
 
@@ -148,10 +151,11 @@ class StreamHub:
                     f.give([TimeoutError()])
 
     async def _read_loop(self, shard: _Shard) -> None:
-        """Reads the followed streams that the ticks since the last read name (and new followers'),
-        then waits for the next tick or block_ms, whichever comes first. Every followed stream is read
-        when the ticks may have been trimmed, and every FULL_EVERY_S: entries that other writers add
-        without a tick (a task's attempt marker, a client's cancel of a queued job) arrive within that.
+        """Reads the followed streams that the ticks since the last read name and could not stand in
+        for (and new followers'), then waits for the next tick or block_ms, whichever comes first.
+        Every followed stream is read when the ticks may have been trimmed, and every FULL_EVERY_S:
+        entries that other writers add without a tick (a task's attempt marker, a client's cancel of a
+        queued job) arrive within that.
         A wait that ends with no tick reads nothing: reading every stream then (every block_ms between
         a worker's writes) was a fifth of Redis' XREAD time at 64 streams, an eighth at 256 (bench.serve)."""
         loop = asyncio.get_running_loop()
@@ -183,11 +187,14 @@ class StreamHub:
                     everything = True
                     continue
                 for _, raw in ticks[0]:
-                    ids = _field(raw, "keys")
-                    if ids is None:  # a writer that names nothing: read everything
+                    streams = tick_streams(_field(raw, "keys"), _field(raw, "data"))
+                    if streams is None:  # a writer that names nothing: read everything
                         everything = True
-                    elif ids:
-                        named.update(ids.split(" "))
+                        continue
+                    for key, part in streams:
+                        followers = shard.followers.get(key)
+                        if followers and not (part and _take(followers, part, now)):
+                            named.add(key)  # read it: the tick cannot stand in for it
             except aredis.RedisError as e:  # Redis away: tell nobody yet, retry (followers time out on their own)
                 log.warning("stream hub: %s; retrying", e)
                 everything = True
@@ -208,6 +215,28 @@ class StreamHub:
                 after = _position(follower.last_id)
                 _give(follower, [e for e in entries if _position(e[0]) > after], now)
         return full
+
+
+def _take(followers: list[_Follower], part: str, now: float) -> bool:
+    """Hands the entries a tick carries for one stream to its followers, each from past its own
+    position; False when a follower's position is neither where they begin nor among them (the stream
+    holds entries it has not seen): then the stream is read, from that position."""
+    before, entries = tick_entries(part)
+    ok = True
+    for follower in followers:
+        if follower.last_id == before:
+            _give(follower, entries, now)
+            continue
+        at = _position(follower.last_id)
+        if at == _position(before):
+            _give(follower, entries, now)
+        elif entries and at >= _position(entries[-1][0]):
+            continue  # it has them (read with the stream, or a resumed follower ahead of them)
+        elif positions := [n for n, e in enumerate(entries) if _position(e[0]) == at]:
+            _give(follower, entries[positions[0] + 1 :], now)
+        else:
+            ok = False
+    return ok
 
 
 def _give(follower: _Follower, entries: list, now: float) -> None:

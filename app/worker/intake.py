@@ -4,7 +4,7 @@ A job reaches the engine only through a task thread (CONCURRENCY of them), and t
 can put the right job first only among the jobs it holds. So the queue in front of it must not be
 first come, first served:
 - **Fair staging** (FAIR_QUEUE): clients stage jobs in sorted sets per class (app/transport.py:
-  `_put`, tasks/scripts.py: STAGE), ordered within a class by each tenant's start tag in weight
+  `_put`, tasks/queue_scripts.py: STAGE), ordered within a class by each tenant's start tag in weight
   units; this worker releases them into the lists Celery consumes (RELEASE) only as fast as its
   engine can start them: what it releases is what the batcher would pick next, whoever flooded.
 - **Slots held back for the urgent classes**: background jobs (priority < 5) may hold at most

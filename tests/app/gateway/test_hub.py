@@ -4,13 +4,14 @@ timeout that only a silent stream reaches."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
 import redis
 from weightq.gateway.hub import StreamHub
 from weightq.settings import RedisSettings
-from weightq.tasks.contract import STREAM_TICK, TICKS_KEPT, EntryType, stream_key
+from weightq.tasks.contract import STREAM_TICK, TICKS_KEPT, WRITE_BATCH, EntryType, stream_key
 
 pytestmark = pytest.mark.service  # real Redis servers and worker processes
 
@@ -100,6 +101,64 @@ def test_the_hub_reads_the_streams_its_ticks_name_and_every_stream_now_and_then(
         finally:
             ticking = False
             await ticker
+            await hub.close()
+
+    run(main())
+
+
+def test_the_hub_takes_batches_from_their_ticks_and_reads_a_stream_only_where_a_tick_cannot_stand_in(redis_url):
+    """A batch comes from its tick (an entry only the tick holds is delivered); an entry written without a
+    tick before a batch is read from the stream first, in order; a follower resumed inside a batch gets
+    what lies past its own position. Every entry once."""
+    sync = redis.Redis.from_url(redis_url, decode_responses=True)
+    write = sync.register_script(WRITE_BATCH)
+    key = stream_key("hub-carried")
+
+    def batch(seq: int, *texts: str) -> None:  # WRITE_BATCH's plain tokens, as a worker's writer sends them
+        args: list = [1000, 600, 600, seq, 0]
+        for text in texts:
+            args += [3, 0, int(text[1:]), text, 5, "1.0"]
+        write(keys=[f"writer-{redis_url}", STREAM_TICK, key], args=args)
+
+    async def follow(last_id: str, out: list) -> None:
+        async for entries in hub.follow_batches("hub-carried", last_id, idle_timeout_s=10):
+            out += [(i, f.get("text", f["type"])) for i, f in entries]
+
+    async def until(out: list, n: int) -> None:
+        for _ in range(500):
+            if len(out) >= n:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"{len(out)} of {n} entries: {out}")
+
+    hub = StreamHub([redis_url], RedisSettings(url=redis_url))
+
+    async def main():
+        await hub.start()
+        first: list = []
+        try:
+            reader = asyncio.create_task(follow("0-0", first))
+            await asyncio.sleep(0.1)
+            await asyncio.to_thread(batch, 1, "t0", "t1")
+            await until(first, 2)
+            await asyncio.to_thread(sync.xadd, key, {"type": EntryType.TOKEN, "i": 2, "text": "t2"})  # no tick
+            await asyncio.to_thread(batch, 2, "t3")
+            await until(first, 4)
+            middle: list = []  # resumes after t0: t1 (and what follows) past its own position
+            second = asyncio.create_task(follow(first[0][0], middle))
+            await until(middle, 3)
+            await asyncio.to_thread(batch, 3, "t4", "t5")
+            await until(first, 6)
+            # an end entry only this tick holds: delivered from the tick, not from the stream
+            last = first[-1][0]
+            end = f"{int(last.split('-')[0]) + 1}-0"
+            part = json.dumps([last, end, ["type", "end", "result", "{}"]])
+            await asyncio.to_thread(sync.xadd, STREAM_TICK, {"seq": 4, "keys": key, "data": part}, maxlen=TICKS_KEPT)
+            await asyncio.wait_for(asyncio.gather(reader, second), 10)
+            assert [t for _, t in first] == ["t0", "t1", "t2", "t3", "t4", "t5", "end"]
+            assert [t for _, t in middle] == ["t1", "t2", "t3", "t4", "t5", "end"]
+            assert [i for i, _ in first[:-1]] == [i for i, _ in sync.xrange(key)]
+        finally:
             await hub.close()
 
     run(main())

@@ -9,7 +9,8 @@ import redis
 from weightq.engine import FinishEvent, TokenEvent
 from weightq.engine.params import TokenLogprobs
 from weightq.settings import RedisSettings
-from weightq.tasks.contract import STREAM_TICK, job_key, job_of_stream, stream_key
+from weightq.tasks.contract import STREAM_TICK, job_key, job_of_stream, stream_key, tick_entries, tick_streams
+from weightq.tasks.scripts import TICK_DATA
 from weightq.token_plane import TokenPlane
 from weightq.worker.publisher import StreamPublisher
 from weightq.worker.runs import RunEnd
@@ -28,6 +29,26 @@ def _apply(pub: StreamPublisher, seq: int, entries: list[tuple], fences: dict[st
 
 def _fields(r: redis.Redis, job: str) -> list[dict[str, str]]:
     return [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrange(stream_key(job))]
+
+
+def _carried(r: redis.Redis) -> int:
+    """Checks that each tick's data is what its batch wrote: per stream, the entries that follow the id
+    it names, as XRANGE gives them; returns how many entries the ticks carried."""
+    carried = 0
+    for _, fields in r.xrange(STREAM_TICK):
+        data = fields.get(b"data", b"").decode()
+        for key, part in tick_streams(fields[b"keys"].decode(), data):
+            if not part:
+                continue
+            before, entries = tick_entries(part)
+            start = "-" if before == "0-0" else f"({before}"
+            stream = [
+                (i.decode(), [x.decode() for kv in f.items() for x in kv])
+                for i, f in r.xrange(key, min=start, count=len(entries))
+            ]
+            assert [(i, f) for i, f in entries] == stream
+            carried += len(entries)
+    return carried
 
 
 def test_plain_tokens_logprobs_and_the_end_land_as_the_contract_says_once(service):
@@ -57,7 +78,8 @@ def test_plain_tokens_logprobs_and_the_end_land_as_the_contract_says_once(servic
         _apply(pub, 2, pub._entries([(TokenEvent("j1", 1, 6, ""), 101.0)]))  # an empty text is a value too
         assert _fields(r, "j1")[1]["text"] == ""
         later = r.xrange(STREAM_TICK)[-1]  # readers blocked on the tick wake after the batch's entries
-        assert later[0] > tick[0][0] and later[1] == {b"seq": b"2", b"keys": stream_key("j1").encode()}
+        assert later[0] > tick[0][0] and later[1][b"seq"] == b"2" and later[1][b"keys"] == stream_key("j1").encode()
+        assert _carried(r) == 5  # each tick carries what its batch wrote (read from it, not from each stream)
         assert set(tick[0][1][b"keys"].split()) == {stream_key(j).encode() for j in ("j1", "j2")}  # what to read
         # A step's tuples from an engine process (tokens()) land as the same entries as its events.
         _apply(pub, 3, pub._entries([([("j3", 0, 5, " hé", None), ("j3", 1, 6, "a", lp)], 102.25)]))
@@ -65,6 +87,14 @@ def test_plain_tokens_logprobs_and_the_end_land_as_the_contract_says_once(servic
         assert j3[0] == {"type": "token", "i": "0", "text": " hé", "id": "5", "ts": "102.250000"}
         assert json.loads(j3[1].pop("lp"))[:2] == ["a", -0.25]
         assert j3[1] == {"type": "token", "i": "1", "text": "a", "id": "6", "ts": "102.250000"}
+        # texts of any characters (JSON's own, the separator of streams' parts), joined tokens, and a
+        # batch too large for a tick, whose reader reads the stream (an empty part)
+        odd = ['"\\/\x1e\n', "\x00é😀", "</b>"]
+        events = [(TokenEvent("j4", n, n, t), 103.0) for n, t in enumerate(odd)]
+        held = [(stream_key("j4"), (3, 2, "xy", "3,4", "1,1", "103.500000"))]  # joined (coalesce.Holding)
+        _apply(pub, 4, pub._entries(events) + held + pub._entries([(TokenEvent("j5", 0, 1, "x" * TICK_DATA), 104.0)]))
+        assert [f["text"] for f in _fields(r, "j4")] == [*odd, "xy"] and _carried(r) == 7 + 4
+        assert r.xrange(STREAM_TICK)[-1][1][b"data"].split(b"\x1e")[1] == b""  # j5's: too large to carry
     finally:
         pub.close()
 
