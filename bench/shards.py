@@ -7,7 +7,8 @@ or 3 others, --workers `weightq worker` processes on the simulated device (RUNNE
 alternate the stacks; each submits --jobs jobs of --tokens new tokens through the Client (distinct
 prompts, so prefix affinity spreads them over the workers' own queues, and the client draws each id on
 a shard of the worker it is sent to: `TokenPlane.new_id`), and one reader process per shard follows that
-shard's streams as a gateway's hub does (XREAD of its unfinished streams, blocking on its STREAM_TICK).
+shard's streams as a gateway's hub does (blocking on its STREAM_TICK and taking the entries each tick
+carries, XREAD of a stream where a tick cannot stand in for it).
 Each shard's Redis CPU (INFO cpu) is read from the submit to the last end.
 
 This machine has two cores, fewer than the stack's processes, so the streamed tokens/s measured here is the
@@ -184,7 +185,7 @@ def main() -> None:
             "tokens_per_job": args.tokens,
             "rounds": args.rounds,
             "broker": "a Redis of its own in every stack (not counted)",
-            "readers": "one process per shard, hub-style XREAD of its unfinished streams + its STREAM_TICK",
+            "readers": "one process per shard, hub-style: its STREAM_TICK and what it carries, XREAD where it cannot",
             **results,
         }
         print(json.dumps(out, indent=None if args.json else 2))

@@ -9,7 +9,8 @@ Two stacks run side by side, each with --workers `weightq worker` processes on t
 Rounds alternate one / split. Each round submits --jobs jobs of --tokens new tokens (short prompts, EOS
 ignored) in one batch through the Client (and a round of --few-jobs: fewer streams per worker step, so
 each step's writes carry fewer tokens), and one reader process follows every stream as the gateway's
-hub does (XREAD of the unfinished streams, blocking on the workers' STREAM_TICK between batches). A
+hub does (blocking on the workers' STREAM_TICK, taking the entries each tick carries, and XREADing a
+stream only where a tick cannot stand in for it). A
 round's Redis CPU is the server's INFO cpu (used_cpu_sys + used_cpu_user) delta from the submit to the
 reader seeing the last end entry: submits, Celery's deliveries, acks and results, every stream entry,
 the readers' XREADs, and the workers' background traffic (heartbeats, leases, sweeps) of that time.
@@ -213,7 +214,7 @@ def main() -> None:
             "tokens_per_job": args.tokens,
             "rounds": args.rounds,
             "appendfsync": args.appendfsync,
-            "reader": "one process, hub-style XREAD of every unfinished stream + STREAM_TICK",
+            "reader": "one process, hub-style: STREAM_TICK and the entries it carries, XREAD where it cannot stand in",
             "one_redis": one,
             "split": split,
             "split_streams_vs_one": round(

@@ -192,24 +192,34 @@ return 1
 # Stream entries, applied at most once per (writer, seq). A job's last entry and final state go together
 # (a worker dying after the end never leaves a 'running' job to run again). Fenced: a stream whose job
 # has begun a later run than the writer's (paused, taken for dead, resumed elsewhere) gets nothing. Then
-# one STREAM_TICK entry naming the streams written and carrying what was written to each (TICK_DATA,
-# contract.py: `tick_segments`), so a reader that follows many streams reads one entry per batch instead
-# of one per stream. KEYS: the writer's key, STREAM_TICK, streams and job hashes. ARGV: maxlen, stream
-# ttl, job ttl, seq, the number of fences, per fence its stream index, job index (into KEYS) and the
-# writer's attempt; per entry its stream index and either 0 and a plain token's (index, text, token id,
-# emit stamp: most entries), or -1 and joined tokens' (first index, count, texts joined, ids, lengths,
-# stamp), or the number of field pairs, the job index (0: none), the number of job-state pairs, the
-# field pairs, the job-state pairs. Returns the job hashes fenced off.
+# one STREAM_TICK entry naming the streams written and carrying what was written to each (tasks/ticks.py),
+# so a reader that follows many streams reads one entry per batch instead of one per stream. A stream's
+# part names the entry before the batch's: the writer says which it last wrote there, and XSETID to it
+# (a no-op then) is refused if an entry above it exists; only then is the last id looked up (XREVRANGE
+# cost three times as much, as much per stream as the rest of the batch's work).
+# KEYS: the writer's key, STREAM_TICK, streams and job hashes. ARGV: maxlen, stream ttl, job ttl, seq,
+# the number of fences, per fence its stream index, job index (into KEYS) and the writer's attempt; the
+# number of last ids, per one its stream index and the id the writer last wrote there; per entry its
+# stream index and either 0 and a plain token's (index, text, token id, emit stamp: most entries), or -1
+# and joined tokens' (first index, count, texts joined, ids, lengths, stamp), or the number of field
+# pairs, the job index (0: none), the number of job-state pairs, the field pairs, the job-state pairs.
+# Returns {the job hashes fenced off, {per stream written its index and the id of its last entry}}.
 WRITE_BATCH = """
 if tonumber(redis.call('GET', KEYS[1]) or '0') >= tonumber(ARGV[4]) then return {} end
 redis.call('SET', KEYS[1], ARGV[4], 'EX', 86400)
 local maxlen = ARGV[1]
-local fenced, out, segs, order = {}, {}, {}, {}
+local fenced, out, segs, order, tops = {}, {}, {}, {}, {}
 local function add(s, f)
   local key, seg = KEYS[tonumber(s)], segs[s]
   if seg == nil then  -- the entry before this batch's first: a reader there may take the batch as is
-    local last = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)
-    seg = {last[1] and last[1][1] or '0-0'}
+    local top = tops[s]  -- refused unless no entry above the writer's last one exists
+    local held = top and redis.pcall('XSETID', key, top)
+    if held and held.ok then
+      seg = {top}
+    else
+      local last = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)
+      seg = {last[1] and last[1][1] or '0-0'}
+    end
     segs[s] = seg
     order[#order + 1] = s
   end
@@ -225,6 +235,11 @@ for _ = 1, tonumber(ARGV[5]) do
   end
   i = i + 3
 end
+for _ = 1, tonumber(ARGV[i]) do
+  tops[ARGV[i + 1]] = ARGV[i + 2]
+  i = i + 2
+end
+i = i + 1
 while i <= #ARGV do
   local s = ARGV[i]
   local skip = fenced[tonumber(s)]
@@ -258,16 +273,17 @@ while i <= #ARGV do
     i = i + 4 + 2 * n + 2 * m
   end
 end
-local ids, data, size = {}, {}, 0
+local ids, data, size, last = {}, {}, 0, {}
 for n, s in ipairs(order) do
   ids[n] = KEYS[tonumber(s)]
+  last[2 * n - 1], last[2 * n] = tonumber(s), segs[s][#segs[s] - 1]
   local seg = size < @TICK_DATA@ and cjson.encode(segs[s]) or ''
   if #seg > @TICK_DATA@ - size then seg = '' end  -- too much to keep in a tick: readers read the stream
   data[n], size = seg, size + #seg
 end
 redis.call('XADD', KEYS[2], 'MAXLEN', '64', '*', 'seq', ARGV[4], 'keys', table.concat(ids, ' '),
   'data', table.concat(data, '\\30'))
-return out
+return {out, last}
 """
 TICK_DATA = 131_072  # bytes of entries a tick carries at most (64 ticks kept: 8 MiB a shard at worst)
 WRITE_BATCH = WRITE_BATCH.replace("@TICK_DATA@", str(TICK_DATA))

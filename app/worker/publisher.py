@@ -41,6 +41,7 @@ SHUTDOWN = "worker shutdown"  # the error of requests the engine stops at a warm
 # A write Redis refuses for a reason a retry cannot fix (OOM under maxmemory, a script error) is tried
 # this many times, then its jobs end with an error entry (ABORT) and the writer goes on.
 REFUSED_TRIES = 3
+TOPS_KEPT = 65_536  # streams whose last id a writer remembers (WRITE_BATCH), at most
 
 
 class StreamPublisher:
@@ -132,6 +133,7 @@ class StreamPublisher:
     def _write_loop(self, shard: int) -> None:
         """Each pass: the steps that arrived, held per stream (`Holding`), then what is due."""
         durable, seq, holding, closing = self.plane.durables[shard], 0, Holding(self.flush_s), False
+        tops: dict[str, str] = {}  # stream key -> the id of the entry this writer last wrote there (WRITE_BATCH)
         while not closing:
             finished: list[str] = []
             for item in take_all(self._batches[shard], holding.wait_s()):
@@ -146,11 +148,16 @@ class StreamPublisher:
                         holding.end(stream_key(ev.request_id))
             for entries, fences in holding.due(everything=closing):
                 seq += 1
-                self._write(durable, seq, entries, fences)
+                self._write(durable, seq, entries, fences, tops)
             for job_id in finished:  # a finished job's stream is never held: it was written above
                 self.runs.written(job_id)
+                tops.pop(stream_key(job_id), None)
+            if len(tops) > TOPS_KEPT:  # jobs that left without a finish here (requeued, superseded)
+                tops.clear()  # a stream's next write looks its last id up instead
 
-    def _write(self, durable: Durable, seq: int, entries: list[tuple], fences: dict[str, int]) -> None:
+    def _write(
+        self, durable: Durable, seq: int, entries: list[tuple], fences: dict[str, int], tops: dict[str, str]
+    ) -> None:
         refused = 0
         while entries:
             entries = self.runs.drop_abandoned(entries)
@@ -159,7 +166,7 @@ class StreamPublisher:
             if not entries:
                 return
             try:
-                self._apply_on(durable, seq, entries, fences)
+                self._apply_on(durable, seq, entries, fences, tops)
                 return
             except redis.RedisError as e:
                 if is_transient(e):  # Redis restarting or failing over: one line, not a traceback
@@ -199,9 +206,13 @@ class StreamPublisher:
     def _entries(self, batch: list[tuple[Event | list[tuple], float]]) -> list[tuple]:
         return entries_of(batch, self.runs.refused_jobs(), self.runs.annotations, self.requeueing)
 
-    def _apply_on(self, durable: Durable, seq: int, entries: list[tuple], fenced: dict[str, int]) -> None:
+    def _apply_on(
+        self, durable: Durable, seq: int, entries: list[tuple], fenced: dict[str, int], tops: dict[str, str]
+    ) -> None:
         """One script call, applied at most once per (writer, shard, seq): a retry after a lost reply
-        (Redis crashed after applying it) is a no-op instead of a second copy of every entry."""
+        (Redis crashed after applying it) is a no-op instead of a second copy of every entry. `tops`:
+        the id this writer last wrote to each stream, told to the script and updated from its answer
+        (a stale one costs the script a look-up, never a wrong tick)."""
         keys = [self.writer_key, STREAM_TICK]
         index: dict[str, int] = {}
         fences: list = []
@@ -230,8 +241,16 @@ class StreamPublisher:
                 args += [k, v]
             for k, v in (state or {}).items():
                 args += [k, v]
-        header = [self.maxlen, self.ttl_s, self.job_ttl_s, seq, len(fences) // 3, *fences]
-        for key in durable.run(self._batch_script, keys, header + args):
+        last = [v for key, n in index.items() if (top := tops.get(key)) is not None for v in (n, top)]
+        header = [self.maxlen, self.ttl_s, self.job_ttl_s, seq, len(fences) // 3, *fences, len(last) // 2, *last]
+        reply = durable.run(self._batch_script, keys, header + args)
+        if not reply:  # applied before (a retry after a lost reply)
+            return
+        superseded, written = reply
+        for n in range(0, len(written), 2):
+            top = written[n + 1]
+            tops[keys[written[n] - 1]] = top.decode() if isinstance(top, bytes) else top
+        for key in superseded:
             self._supersede((key.decode() if isinstance(key, bytes) else key).removeprefix(job_key("")))
 
     def _supersede(self, job_id: str) -> None:

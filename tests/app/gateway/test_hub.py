@@ -115,7 +115,7 @@ def test_the_hub_takes_batches_from_their_ticks_and_reads_a_stream_only_where_a_
     key = stream_key("hub-carried")
 
     def batch(seq: int, *texts: str) -> None:  # WRITE_BATCH's plain tokens, as a worker's writer sends them
-        args: list = [1000, 600, 600, seq, 0]
+        args: list = [1000, 600, 600, seq, 0, 0]  # no fences, no last ids
         for text in texts:
             args += [3, 0, int(text[1:]), text, 5, "1.0"]
         write(keys=[f"writer-{redis_url}", STREAM_TICK, key], args=args)

@@ -18,24 +18,32 @@ from weightq.worker.runs import RunEnd
 pytestmark = pytest.mark.service  # real Redis servers and worker processes
 
 
-def _apply(pub: StreamPublisher, seq: int, entries: list[tuple], fences: dict[str, int] | None = None) -> None:
-    """Entries of any shard, each shard's part in one script call, as the writer threads send them."""
+def _apply(
+    pub: StreamPublisher,
+    seq: int,
+    entries: list[tuple],
+    fences: dict[str, int] | None = None,
+    tops: dict[str, str] | None = None,
+) -> None:
+    """Entries of any shard, each shard's part in one script call, as the writer threads send them
+    (`tops`: the ids a writer last wrote, kept across calls as a writer thread keeps them)."""
     by_shard: dict[int, list[tuple]] = {}
     for entry in entries:
         by_shard.setdefault(pub.plane.index(job_of_stream(entry[0])), []).append(entry)
     for shard, part in by_shard.items():
-        pub._apply_on(pub.plane.durables[shard], seq, part, pub.runs.fences() if fences is None else fences)
+        fenced = pub.runs.fences() if fences is None else fences
+        pub._apply_on(pub.plane.durables[shard], seq, part, fenced, {} if tops is None else tops)
 
 
 def _fields(r: redis.Redis, job: str) -> list[dict[str, str]]:
     return [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrange(stream_key(job))]
 
 
-def _carried(r: redis.Redis) -> int:
-    """Checks that each tick's data is what its batch wrote: per stream, the entries that follow the id
-    it names, as XRANGE gives them; returns how many entries the ticks carried."""
+def _carried(r: redis.Redis, after: bytes = b"-") -> int:
+    """Checks that each tick's data (those after `after`) is what its batch wrote: per stream, the
+    entries that follow the id it names, as XRANGE gives them; returns how many entries they carried."""
     carried = 0
-    for _, fields in r.xrange(STREAM_TICK):
+    for _, fields in r.xrange(STREAM_TICK, min=after if after == b"-" else b"(" + after):
         data = fields.get(b"data", b"").decode()
         for key, part in tick_streams(fields[b"keys"].decode(), data):
             if not part:
@@ -87,13 +95,36 @@ def test_plain_tokens_logprobs_and_the_end_land_as_the_contract_says_once(servic
         assert j3[0] == {"type": "token", "i": "0", "text": " hé", "id": "5", "ts": "102.250000"}
         assert json.loads(j3[1].pop("lp"))[:2] == ["a", -0.25]
         assert j3[1] == {"type": "token", "i": "1", "text": "a", "id": "6", "ts": "102.250000"}
+        # A writer that knows the last id it wrote adds after it (no look-up); one whose id is stale (an
+        # entry came since, or the stream is gone) is answered by the look-up: each tick stays exact.
+        tops: dict[str, str] = {}
+
+        def lookups() -> int:
+            return r.info("commandstats").get("cmdstat_xrevrange", {}).get("calls", 0)
+
+        _apply(pub, 5, pub._entries([(TokenEvent("j6", 5, 1, "a"), 105.0)]), tops=tops)
+        looked = lookups()
+        _apply(pub, 6, pub._entries([(TokenEvent("j6", 6, 1, "a"), 105.0)]), tops=tops)
+        assert lookups() == looked
+        r.xadd(stream_key("j6"), {"type": "attempt", "attempt": "2", "from": "7"})  # not this writer's
+        _apply(pub, 7, pub._entries([(TokenEvent("j6", 7, 1, "b"), 106.0)]), tops=tops)
+        assert lookups() == looked + 1
+        assert [f["type"] for f in _fields(r, "j6")] == ["token", "token", "attempt", "token"]
+        assert _carried(r) == 7 + 3
+        tick = r.xrange(STREAM_TICK)[-1][0]
+        r.delete(stream_key("j6"))  # expired: nothing lies between the writer's last id and its next entry
+        _apply(pub, 8, pub._entries([(TokenEvent("j6", 8, 1, "c"), 107.0)]), tops=tops)
+        _apply(pub, 9, pub._entries([(TokenEvent("j6", 9, 1, "d"), 108.0)]), tops=tops)
+        assert [f["text"] for f in _fields(r, "j6")] == ["c", "d"] and _carried(r, after=tick) == 2
+        assert tops[stream_key("j6")] == r.xrange(stream_key("j6"))[-1][0].decode()
+        tick = r.xrange(STREAM_TICK)[-1][0]
         # texts of any characters (JSON's own, the separator of streams' parts), joined tokens, and a
         # batch too large for a tick, whose reader reads the stream (an empty part)
         odd = ['"\\/\x1e\n', "\x00é😀", "</b>"]
         events = [(TokenEvent("j4", n, n, t), 103.0) for n, t in enumerate(odd)]
         held = [(stream_key("j4"), (3, 2, "xy", "3,4", "1,1", "103.500000"))]  # joined (coalesce.Holding)
-        _apply(pub, 4, pub._entries(events) + held + pub._entries([(TokenEvent("j5", 0, 1, "x" * TICK_DATA), 104.0)]))
-        assert [f["text"] for f in _fields(r, "j4")] == [*odd, "xy"] and _carried(r) == 7 + 4
+        _apply(pub, 10, pub._entries(events) + held + pub._entries([(TokenEvent("j5", 0, 1, "x" * TICK_DATA), 104.0)]))
+        assert [f["text"] for f in _fields(r, "j4")] == [*odd, "xy"] and _carried(r, after=tick) == 4
         assert r.xrange(STREAM_TICK)[-1][1][b"data"].split(b"\x1e")[1] == b""  # j5's: too large to carry
     finally:
         pub.close()
