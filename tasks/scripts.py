@@ -207,24 +207,21 @@ return 1
 WRITE_BATCH = """
 if tonumber(redis.call('GET', KEYS[1]) or '0') >= tonumber(ARGV[4]) then return {} end
 redis.call('SET', KEYS[1], ARGV[4], 'EX', 86400)
-local maxlen = ARGV[1]
-local fenced, out, segs, order, tops = {}, {}, {}, {}, {}
-local function add(s, f)
-  local key, seg = KEYS[tonumber(s)], segs[s]
-  if seg == nil then  -- the entry before this batch's first: a reader there may take the batch as is
-    local top = tops[s]  -- refused unless no entry above the writer's last one exists
-    local held = top and redis.pcall('XSETID', key, top)
-    if held and held.ok then
-      seg = {top}
-    else
-      local last = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)
-      seg = {last[1] and last[1][1] or '0-0'}
-    end
-    segs[s] = seg
-    order[#order + 1] = s
+local maxlen, enc = ARGV[1], cjson.encode
+local fenced, out, segs, order, tops, lasts = {}, {}, {}, {}, {}, {}
+-- A stream's part of the tick (JSON built as it goes: a table and cjson per entry cost more than the
+-- XADD), begun with the id of the entry before the batch's: a reader there may take the batch as is.
+local function part(s, key)
+  local top = tops[s]  -- refused unless no entry above the writer's last one exists
+  local held = top and redis.pcall('XSETID', key, top)
+  if not (held and held.ok) then
+    local last = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)
+    top = last[1] and last[1][1] or '0-0'
   end
-  seg[#seg + 1] = redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', unpack(f))
-  seg[#seg + 1] = f
+  local seg = {'["' .. top .. '"'}
+  segs[s] = seg
+  order[#order + 1] = s
+  return seg
 end
 local i = 6
 for _ = 1, tonumber(ARGV[5]) do
@@ -242,17 +239,26 @@ end
 i = i + 1
 while i <= #ARGV do
   local s = ARGV[i]
-  local skip = fenced[tonumber(s)]
-  local n = tonumber(ARGV[i + 1])
-  if n == 0 then
+  local key, skip, n = KEYS[tonumber(s)], fenced[tonumber(s)], tonumber(ARGV[i + 1])
+  if n == 0 then  -- (index, token id and stamp are the writer's numbers: no escaping needed)
     if not skip then
-      add(s, {'type', 'token', 'i', ARGV[i + 2], 'text', ARGV[i + 3], 'id', ARGV[i + 4], 'ts', ARGV[i + 5]})
+      local seg = segs[s] or part(s, key)
+      local id = redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', 'type', 'token', 'i', ARGV[i + 2],
+        'text', ARGV[i + 3], 'id', ARGV[i + 4], 'ts', ARGV[i + 5])
+      seg[#seg + 1] = ',"' .. id .. '",["type","token","i","' .. ARGV[i + 2] .. '","text",' .. enc(ARGV[i + 3]) ..
+        ',"id","' .. ARGV[i + 4] .. '","ts","' .. ARGV[i + 5] .. '"]'
+      lasts[s] = id
     end
     i = i + 6
   elseif n == -1 then
     if not skip then
-      add(s, {'type', 'token', 'i', ARGV[i + 2], 'n', ARGV[i + 3], 'text', ARGV[i + 4], 'id', ARGV[i + 5],
-        'len', ARGV[i + 6], 'ts', ARGV[i + 7]})
+      local seg = segs[s] or part(s, key)
+      local id = redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', 'type', 'token', 'i', ARGV[i + 2],
+        'n', ARGV[i + 3], 'text', ARGV[i + 4], 'id', ARGV[i + 5], 'len', ARGV[i + 6], 'ts', ARGV[i + 7])
+      seg[#seg + 1] = ',"' .. id .. '",["type","token","i","' .. ARGV[i + 2] .. '","n","' .. ARGV[i + 3] ..
+        '","text",' .. enc(ARGV[i + 4]) .. ',"id","' .. ARGV[i + 5] .. '","len","' .. ARGV[i + 6] ..
+        '","ts","' .. ARGV[i + 7] .. '"]'
+      lasts[s] = id
     end
     i = i + 8
   elseif skip then
@@ -261,9 +267,11 @@ while i <= #ARGV do
     local job, m = tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
     local f = {}
     for j = 1, 2 * n do f[j] = ARGV[i + 3 + j] end
-    add(s, f)
+    local seg = segs[s] or part(s, key)
+    local id = redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', unpack(f))
+    seg[#seg + 1] = ',"' .. id .. '",' .. enc(f)
+    lasts[s] = id
     if job > 0 then
-      local key = KEYS[tonumber(s)]
       redis.call('EXPIRE', key, ARGV[2])
       local h = {'HSET', KEYS[job]}
       for j = 1, 2 * m do h[#h + 1] = ARGV[i + 3 + 2 * n + j] end
@@ -273,17 +281,17 @@ while i <= #ARGV do
     i = i + 4 + 2 * n + 2 * m
   end
 end
-local ids, data, size, last = {}, {}, 0, {}
+local ids, data, size, written = {}, {}, 0, {}
 for n, s in ipairs(order) do
   ids[n] = KEYS[tonumber(s)]
-  last[2 * n - 1], last[2 * n] = tonumber(s), segs[s][#segs[s] - 1]
-  local seg = size < @TICK_DATA@ and cjson.encode(segs[s]) or ''
+  written[2 * n - 1], written[2 * n] = tonumber(s), lasts[s]
+  local seg = size < @TICK_DATA@ and table.concat(segs[s]) .. ']' or ''
   if #seg > @TICK_DATA@ - size then seg = '' end  -- too much to keep in a tick: readers read the stream
   data[n], size = seg, size + #seg
 end
 redis.call('XADD', KEYS[2], 'MAXLEN', '64', '*', 'seq', ARGV[4], 'keys', table.concat(ids, ' '),
   'data', table.concat(data, '\\30'))
-return {out, last}
+return {out, written}
 """
 TICK_DATA = 131_072  # bytes of entries a tick carries at most (64 ticks kept: 8 MiB a shard at worst)
 WRITE_BATCH = WRITE_BATCH.replace("@TICK_DATA@", str(TICK_DATA))

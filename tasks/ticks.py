@@ -34,6 +34,8 @@ def tick_streams(keys: str | None, data: str | None) -> list[tuple[str, str]] | 
 
 def tick_entries(part: str) -> tuple[str, list[tuple[str, list[str]]]]:
     """A stream's part of a tick: (the id of the entry before the batch's, [(entry id, [name, value,
-    ...]), ...]), the shape an XREAD reply's entries have."""
+    ...]), ...]), the shape an XREAD reply's entries have. ValueError: not such a part."""
     seg = json.loads(part)
+    if not isinstance(seg, list) or len(seg) % 2 != 1:
+        raise ValueError("a tick's part is a list of an id and pairs of an entry id and its fields")
     return seg[0], list(zip(seg[1::2], seg[2::2], strict=True))

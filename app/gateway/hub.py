@@ -221,7 +221,10 @@ def _take(followers: list[_Follower], part: str, now: float) -> bool:
     """Hands the entries a tick carries for one stream to its followers, each from past its own
     position; False when a follower's position is neither where they begin nor among them (the stream
     holds entries it has not seen): then the stream is read, from that position."""
-    before, entries = tick_entries(part)
+    try:
+        before, entries = tick_entries(part)
+    except ValueError:  # not a part this reader understands (a writer of another version): read the stream
+        return False
     ok = True
     for follower in followers:
         if follower.last_id == before:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from weightq.tasks.contract import tick_entries, tick_streams
 
 
@@ -15,3 +16,6 @@ def test_a_tick_names_its_streams_with_their_parts_or_none():
     assert tick_streams("a b", part) == [("a", ""), ("b", "")]  # parts that do not match the names: read
     assert tick_streams("", "") == [] and tick_streams(None, None) is None  # nothing, and read everything
     assert tick_entries(part) == ("0-0", [("5-0", ["type", "token", "i", "0", "text", '\x1e"x'])])
+    for broken in ("[not json", "{}", '["0-0", "5-0"]'):
+        with pytest.raises(ValueError):
+            tick_entries(broken)

@@ -149,11 +149,14 @@ def test_the_hub_takes_batches_from_their_ticks_and_reads_a_stream_only_where_a_
             await until(middle, 3)
             await asyncio.to_thread(batch, 3, "t4", "t5")
             await until(first, 6)
+            # a part this reader cannot take apart: it reads the stream instead (nothing new there)
+            broken = {"seq": 4, "keys": key, "data": "[not json"}
+            await asyncio.to_thread(sync.xadd, STREAM_TICK, broken, maxlen=TICKS_KEPT)
             # an end entry only this tick holds: delivered from the tick, not from the stream
             last = first[-1][0]
             end = f"{int(last.split('-')[0]) + 1}-0"
             part = json.dumps([last, end, ["type", "end", "result", "{}"]])
-            await asyncio.to_thread(sync.xadd, STREAM_TICK, {"seq": 4, "keys": key, "data": part}, maxlen=TICKS_KEPT)
+            await asyncio.to_thread(sync.xadd, STREAM_TICK, {"seq": 5, "keys": key, "data": part}, maxlen=TICKS_KEPT)
             await asyncio.wait_for(asyncio.gather(reader, second), 10)
             assert [t for _, t in first] == ["t0", "t1", "t2", "t3", "t4", "t5", "end"]
             assert [t for _, t in middle] == ["t1", "t2", "t3", "t4", "t5", "end"]
