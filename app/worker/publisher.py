@@ -213,37 +213,8 @@ class StreamPublisher:
         (Redis crashed after applying it) is a no-op instead of a second copy of every entry. `tops`:
         the id this writer last wrote to each stream, told to the script and updated from its answer
         (a stale one costs the script a look-up, never a wrong tick)."""
-        keys = [self.writer_key, STREAM_TICK]
-        index: dict[str, int] = {}
-        fences: list = []
-
-        def slot(key: str) -> int:
-            if key not in index:
-                keys.append(key)
-                index[key] = len(keys)
-                job_id = job_of_stream(key)
-                if key != job_id and (attempt := fenced.get(job_id)) is not None:
-                    fences.extend((index[key], slot(job_key(job_id)), attempt))
-            return index[key]
-
-        args: list = []
-        for entry in entries:
-            if len(entry) == 2:  # plain tokens: WRITE_BATCH's short forms, their values only
-                key, values = entry
-                args.append(slot(key))
-                args.append(0 if len(values) == 4 else -1)  # one token, or several joined (`Holding`)
-                args += values
-                continue
-            key, fields, state = entry
-            job = slot(job_key(job_of_stream(key))) if state is not None else 0
-            args += [slot(key), len(fields), job, len(state or {})]
-            for k, v in fields.items():
-                args += [k, v]
-            for k, v in (state or {}).items():
-                args += [k, v]
-        last = [v for key, n in index.items() if (top := tops.get(key)) is not None for v in (n, top)]
-        header = [self.maxlen, self.ttl_s, self.job_ttl_s, seq, len(fences) // 3, *fences, len(last) // 2, *last]
-        reply = durable.run(self._batch_script, keys, header + args)
+        keys, call = batch_call(self.writer_key, entries, fenced, tops)
+        reply = durable.run(self._batch_script, keys, [self.maxlen, self.ttl_s, self.job_ttl_s, seq, *call])
         if not reply:  # applied before (a retry after a lost reply)
             return
         superseded, written = reply
@@ -306,3 +277,38 @@ def _token_entry(rid: str, index: int, token_id: int, text: str, logprobs, ts: s
     fields = {"type": EntryType.TOKEN, "i": index, "text": text, "id": token_id, "ts": ts}
     fields["lp"] = json.dumps(logprobs.as_json(), separators=(",", ":"))  # [token, logprob, top ids, tokens, lps]
     return stream_key(rid), fields, None
+
+
+def batch_call(writer: str, entries: list[tuple], fenced: dict[str, int], tops: dict[str, str]) -> tuple[list, list]:
+    """WRITE_BATCH's keys, and its arguments after the header (maxlen, ttls, seq): the fences of the
+    streams written, the last ids the writer knows of them (`tops`), and the entries."""
+    keys = [writer, STREAM_TICK]
+    index: dict[str, int] = {}
+    fences: list = []
+
+    def slot(key: str) -> int:
+        if key not in index:
+            keys.append(key)
+            index[key] = len(keys)
+            job_id = job_of_stream(key)
+            if key != job_id and (attempt := fenced.get(job_id)) is not None:
+                fences.extend((index[key], slot(job_key(job_id)), attempt))
+        return index[key]
+
+    args: list = []
+    for entry in entries:
+        if len(entry) == 2:  # plain tokens: WRITE_BATCH's short forms, their values only
+            key, values = entry
+            args.append(slot(key))
+            args.append(0 if len(values) == 4 else -1)  # one token, or several joined (`Holding`)
+            args += values
+            continue
+        key, fields, state = entry
+        job = slot(job_key(job_of_stream(key))) if state is not None else 0
+        args += [slot(key), len(fields), job, len(state or {})]
+        for k, v in fields.items():
+            args += [k, v]
+        for k, v in (state or {}).items():
+            args += [k, v]
+    last = [v for key, n in index.items() if (top := tops.get(key)) is not None for v in (n, top)]
+    return keys, [len(fences) // 3, *fences, len(last) // 2, *last, *args]
