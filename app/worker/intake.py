@@ -34,7 +34,7 @@ from weightq.tasks.limits import DEFAULT_PRIORITY, broker_priority
 from weightq.transport import priority_queues
 
 from .inflight import InFlight
-from .loops import taken_not_started
+from .loops import pipe_counts
 
 TICK_S = 0.02  # how often the worker looks: a staged job waits at most about this long for a free worker
 URGENT_LOOKAHEAD = 4  # urgent jobs taken beyond the engine's room while it has none waiting
@@ -118,7 +118,10 @@ class Intake:
         lookahead = max(0, min(threads - held, URGENT_LOOKAHEAD) - taken)
         beyond = max(0, lookahead - urgency.urgent_waiting) if urgency.background_running else 0
         urgent = min(reserved + beyond, max(0, threads - held - any_class))
+        # with no tenant at its share there is no light one: what the lookahead released then was the
+        # flood's next jobs, put at the consuming end ahead of a light job released within the room
         light = max(0, min(lookahead - urgency.light_waiting, threads - self.reserve - held))
+        light = light if urgency.heavy_tenants else 0
         return any_class, urgent, light
 
     def tick(self, engine: AnyEngine, inflight: InFlight, consumer: Any) -> int | None:
@@ -131,7 +134,7 @@ class Intake:
         exclusive = inflight.exclusive
         room = 0 if exclusive else engine.room_for()
         running = len(inflight)
-        taken = taken_not_started(inflight, consumer)
+        taken, finishing = pipe_counts(inflight, consumer)
         view = engine.urgency()
         any_class, urgent, light = self.plan(room, running, taken, view, exclusive)
         watch = s.queues.queue if self.dest != s.queues.queue else None
@@ -149,7 +152,8 @@ class Intake:
         # background work may not take the reserved threads; urgent messages waiting may (out.waiting counts
         # only those), within the room and up to the lookahead beyond it
         base = min(s.worker.concurrency - self.reserve, running + room) if not exclusive else running
-        return max(1, min(s.worker.concurrency, base + extra))
+        # jobs that left the engine still hold kombu's prefetch until their acks: not the room's
+        return max(1, min(s.worker.concurrency, base + extra) + finishing)
 
 
 def _wake() -> None:

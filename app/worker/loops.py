@@ -100,13 +100,26 @@ def delivered_tags(inflight: InFlight, consumer: Any) -> list[str]:
 
 
 def taken_not_started(inflight: InFlight, consumer: Any) -> int:
-    """Messages the consumer took that no task has brought into the engine yet. Acked ones do not
-    count: kombu drops an acked tag from its delivered map only at its next delivery, so an idle
-    worker's map still lists the jobs it finished."""
+    """Messages the consumer took that no task has brought into the engine yet."""
+    return pipe_counts(inflight, consumer)[0]
+
+
+def pipe_counts(inflight: InFlight, consumer: Any) -> tuple[int, int]:
+    """(messages the consumer took that no task has brought into the engine yet, messages whose job
+    left the engine and whose ack has not been made yet): the second hold kombu's prefetch but no
+    room. Acked ones count in neither: kombu drops an acked tag from its delivered map only at its
+    next delivery, so an idle worker's map still lists the jobs it finished."""
     try:
         qos = consumer.task_consumer.channel.qos
     except AttributeError:
-        return 0
+        return 0, 0
+    for _ in range(3):
+        try:
+            outstanding = set(qos._delivered) - set(qos._dirty)
+        except RuntimeError:  # changed size during the copy: another thread acked
+            continue
+        return inflight.pending(outstanding)
+    return 0, 0
     for _ in range(3):
         try:
             return len(set(qos._delivered) - set(qos._dirty) - inflight.tags())

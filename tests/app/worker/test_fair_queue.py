@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
 import redis
@@ -15,7 +16,9 @@ from weightq.engine import Urgency
 from weightq.settings import Settings
 from weightq.tasks.contract import STAGE, fair_key, job_key, staged_sets
 from weightq.transport import priority_queues
+from weightq.worker.inflight import InFlight
 from weightq.worker.intake import LAST_URGENT, Intake, Release
+from weightq.worker.loops import pipe_counts
 
 from tests.servers import queued_messages
 
@@ -111,12 +114,28 @@ def test_background_work_leaves_slots_and_urgent_jobs_go_beyond_the_room(redis_u
     # no background running: none go beyond the room for their class alone, only for a light tenant
     assert intake.plan(0, 40, 0, Urgency(heavy_tenants=("flood",)), False)[1:] == (0, 4)
     assert intake.plan(0, 40, 0, Urgency(3, 0, ("flood",), 3), False)[1:] == (0, 1)
+    assert intake.plan(0, 40, 0, Urgency(), False)[1:] == (0, 0)  # no tenant at its share: none is light
     assert intake.plan(30, 0, 0, Urgency(), True) == (0, 0, 0)  # a job running alone admits no other
     # the reserved threads are the urgent classes': with room in the engine, urgent jobs take them
     assert intake.plan(30, 56, 0, bg, False)[:2] == (0, 8)
     assert intake.plan(30, 60, 1, Urgency(), False)[:2] == (0, 3)
     two = Intake(redis.Redis.from_url(redis_url), Settings(concurrency=2), "w@t")
     assert two.reserve == 1 and two.plan(10, 1, 0, Urgency(), False) == (0, 1, 0)  # web traffic: both threads
+
+
+def test_jobs_that_left_the_engine_hold_no_room_while_their_acks_wait():
+    """A wave of finishing jobs acks only after each task's end entry and Celery's trace: counted as
+    taken and not started, they held the next jobs' release (a light tenant's among them) 0.5 s."""
+    inflight = InFlight()
+    kombu_qos = SimpleNamespace(_delivered={"a": 1, "b": 2, "c": 3}, _dirty=set())
+    consumer = SimpleNamespace(task_consumer=SimpleNamespace(channel=SimpleNamespace(qos=kombu_qos)))
+    with inflight.entered("job-a", "a"), inflight.entered("job-b", "b"):
+        assert pipe_counts(inflight, consumer) == (1, 0)  # c: taken, not in the engine yet
+    assert pipe_counts(inflight, consumer) == (1, 2)  # a and b left the engine, their acks not made
+    kombu_qos._dirty.add("a")  # acked (kombu drops it from _delivered only at its next delivery)
+    assert pipe_counts(inflight, consumer) == (1, 1)
+    del kombu_qos._delivered["b"]
+    assert pipe_counts(inflight, consumer) == (1, 0) and inflight.pending({"b"}) == (1, 0)  # forgotten once acked
 
 
 def test_release_counts_only_the_urgent_messages_waiting_and_releases_no_more_than_they_leave(redis_url):
