@@ -7,6 +7,8 @@ import threading
 import time
 from collections.abc import Iterator
 
+LEFT_KEPT = 65_536  # tags of jobs that left the engine remembered until acked, at most
+
 
 class Closed(RuntimeError):
     """The worker is shutting down: a job still waiting to enter the engine goes back to the queue."""
@@ -27,7 +29,7 @@ class InFlight:
         # Tags of jobs that left the engine, their messages not yet acked: a task acks only after its
         # end entry is written and Celery's trace has run, which a wave of finishing jobs queues up
         # (0.3-0.5 s on two busy cores). Counted as taken, they held the release of the next jobs.
-        self._left: set[str] = set()
+        self._left: dict[str, None] = {}  # in the order they left; the oldest go past LEFT_KEPT
         self._alone: str | None = None  # the job running alone, if one is
         self._waiting_alone = 0
         self._closed = False
@@ -58,7 +60,9 @@ class InFlight:
                 self._started.pop(job_id, None)
                 tag = self._tags.pop(job_id, None)
                 if tag is not None:
-                    self._left.add(tag)
+                    self._left[tag] = None
+                    if len(self._left) > LEFT_KEPT:  # nobody asked for a while (no consumer): forget the oldest
+                        del self._left[next(iter(self._left))]
                 if self._alone == job_id:
                     self._alone = None
                 self._lock.notify_all()
@@ -86,8 +90,8 @@ class InFlight:
         """Of the consumer's outstanding (taken, unacked) delivery tags: (those whose job has not
         entered the engine yet, those whose job left it and waits for its ack); forgets the acked."""
         with self._lock:
-            self._left &= outstanding
-            return len(outstanding - set(self._tags.values()) - self._left), len(self._left)
+            self._left = {tag: None for tag in self._left if tag in outstanding}
+            return len(outstanding - set(self._tags.values()) - self._left.keys()), len(self._left)
 
     def __len__(self) -> int:
         with self._lock:

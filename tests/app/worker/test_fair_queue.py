@@ -16,7 +16,7 @@ from weightq.engine import Urgency
 from weightq.settings import Settings
 from weightq.tasks.contract import STAGE, fair_key, job_key, staged_sets
 from weightq.transport import priority_queues
-from weightq.worker.inflight import InFlight
+from weightq.worker.inflight import LEFT_KEPT, InFlight
 from weightq.worker.intake import LAST_URGENT, Intake, Release
 from weightq.worker.loops import pipe_counts
 
@@ -136,6 +136,10 @@ def test_jobs_that_left_the_engine_hold_no_room_while_their_acks_wait():
     assert pipe_counts(inflight, consumer) == (1, 1)
     del kombu_qos._delivered["b"]
     assert pipe_counts(inflight, consumer) == (1, 0) and inflight.pending({"b"}) == (1, 0)  # forgotten once acked
+    for n in range(LEFT_KEPT + 10):  # nobody asks (no consumer yet): the oldest are forgotten
+        with inflight.entered(f"job-{n}", f"t{n}"):
+            pass
+    assert inflight.pending({"t0", f"t{LEFT_KEPT + 9}"}) == (1, 1)
 
 
 def test_release_counts_only_the_urgent_messages_waiting_and_releases_no_more_than_they_leave(redis_url):
