@@ -122,7 +122,7 @@ class WorkerHost:
         """Jobs this worker could take now: the engine's room, less messages taken but not yet in it."""
         if self.stopping.is_set() or self.inflight.exclusive or self.consumer is None:
             return 0
-        pending = loops.taken_not_started(self.inflight, self.consumer)
+        pending = loops.pipe_counts(self.inflight, self.consumer)[0]
         return max(0, min(self.engine.room_for(), self.settings.worker.concurrency - len(self.inflight)) - pending)
 
     def recover_lost_jobs(self) -> list[str]:
@@ -142,7 +142,7 @@ class WorkerHost:
             "released": self.intake.released,  # staged jobs it released (FAIR_QUEUE)
             "idle_queued_s": round(self.affinity.idle_queued_s, 2),
             "room": self.room(),  # jobs it could take now
-            "in_pipe": loops.taken_not_started(self.inflight, self.consumer) if self.consumer is not None else 0,
+            "in_pipe": loops.pipe_counts(self.inflight, self.consumer)[0] if self.consumer is not None else 0,
             "served_model": s.served.name(),
         }
         if self.publisher.metrics is not None:

@@ -99,11 +99,6 @@ def delivered_tags(inflight: InFlight, consumer: Any) -> list[str]:
     return list(tags)
 
 
-def taken_not_started(inflight: InFlight, consumer: Any) -> int:
-    """Messages the consumer took that no task has brought into the engine yet."""
-    return pipe_counts(inflight, consumer)[0]
-
-
 def pipe_counts(inflight: InFlight, consumer: Any) -> tuple[int, int]:
     """(messages the consumer took that no task has brought into the engine yet, messages whose job
     left the engine and whose ack has not been made yet): the second hold kombu's prefetch but no
@@ -120,12 +115,6 @@ def pipe_counts(inflight: InFlight, consumer: Any) -> tuple[int, int]:
             continue
         return inflight.pending(outstanding)
     return 0, 0
-    for _ in range(3):
-        try:
-            return len(set(qos._delivered) - set(qos._dirty) - inflight.tags())
-        except RuntimeError:  # changed size during the copy: another thread acked
-            continue
-    return 0
 
 
 def delivery_tag_of(consumer: Any, job_id: str) -> str | None:
