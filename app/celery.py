@@ -9,11 +9,22 @@ engine.
 from __future__ import annotations
 
 from celery import Celery, signals
+from celery.app import backends
 
 from .celery_config import celery_config
 from .settings import Settings
+from .worker.result_backend import one_trip
 
-app = Celery("weightq", include=["weightq.tasks.generate"])
+
+class WorkerCelery(Celery):
+    """The worker's app: Celery's, with each task's result stored in one round trip (app/worker/result_backend.py)."""
+
+    def _get_backend(self):
+        cls, url = backends.by_url(self.backend_cls or self.conf.result_backend, self.loader)
+        return one_trip(cls)(app=self, url=url)
+
+
+app = WorkerCelery("weightq", include=["weightq.tasks.generate"])
 app.config_from_object(celery_config(Settings.from_env()))
 app.steps["worker"].add("weightq.worker.boot:EngineStep")
 app.steps["consumer"].add("weightq.worker.boot:ConsumerLink")
