@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import statistics
 import tempfile
 import time
@@ -31,18 +30,13 @@ from weightq.client import Client
 from weightq.settings import Settings
 
 from .cputime import snapshot
-from .pipeline import follow
+from .pipeline import start_follower
 from .tokenplane import redis_cpu_s
 
 
 def run_round(server: EmbeddedRedis, worker: WorkerProcess, client: Client, n: int, tokens: int, tag: str) -> dict:
     ids = [f"{tag}-{i}" for i in range(n)]
-    spawn = multiprocessing.get_context("spawn")
-    results, sender = spawn.Pipe(duplex=False)
-    reader = spawn.Process(target=follow, args=(server.url, ids, sender), daemon=True)
-    reader.start()
-    if not results.poll(60) or results.recv() != "ready":
-        raise RuntimeError("the stream reader did not start")
+    reader, results = start_follower(server.url, ids)
     requests = [
         {"prompt": f"job cost {i % 7}", "max_new_tokens": tokens, "ignore_eos": True, "request_id": job_id}
         for i, job_id in enumerate(ids)

@@ -77,6 +77,18 @@ def inproc(work, runner: dict) -> tuple[float, dict]:
     return sum(r.completion_tokens for r in results) / elapsed, cpu
 
 
+def start_follower(url: str, ids: list[str] | None) -> tuple[multiprocessing.Process, Connection]:
+    """`follow` in a spawned process, ready: the process and the end of the pipe its results come
+    back on (duplex when `ids` is None: the ids are sent over it once the jobs are submitted)."""
+    spawn = multiprocessing.get_context("spawn")
+    results, sender = spawn.Pipe(duplex=ids is None)
+    reader = spawn.Process(target=follow, args=(url, ids, sender), daemon=True)
+    reader.start()
+    if not results.poll(60) or results.recv() != "ready":
+        raise RuntimeError("the stream reader did not start")
+    return reader, results
+
+
 def follow(url: str, ids: list[str] | None, out: Connection) -> None:
     """One reader for every stream, in a process of its own (as a gateway is: sharing the
     submitting client's GIL added its switch interval to every read), until each stream has ended;
@@ -154,12 +166,7 @@ def pipeline(work, runner: dict, task_events: bool = False) -> tuple[float, list
         client = Client(url, settings=Settings(redis_url=url))
         client.submit(prompt_token_ids=work[0][0], max_new_tokens=4).result(timeout=60)  # warm
         ids = [f"p{i}" for i in range(len(work))]
-        spawn = multiprocessing.get_context("spawn")
-        results, sender = spawn.Pipe(duplex=False)
-        reader = spawn.Process(target=follow, args=(url, ids, sender), daemon=True)
-        reader.start()
-        if not results.poll(60) or results.recv() != "ready":
-            raise RuntimeError("the stream reader did not start")
+        reader, results = start_follower(url, ids)
         pids = {"worker": worker.proc.pid, "redis": server.proc.pid, "bench": "self"}
         cpu0 = {k: cpu_s(p) for k, p in pids.items()}
         busy0, total0 = machine_busy()

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import statistics
 import tempfile
 import time
@@ -40,7 +39,7 @@ from weightq.client import Client
 from weightq.settings import Settings
 from weightq.tasks.contract import shard_of
 
-from .pipeline import follow
+from .pipeline import start_follower
 from .tokenplane import redis_cpu_s
 
 
@@ -93,15 +92,7 @@ def start_stack(shards: int, home: Path, args) -> ShardedStack:
 
 
 def run_round(stack: ShardedStack, client: Client, n: int, tokens: int, tag: str) -> dict:
-    spawn = multiprocessing.get_context("spawn")
-    readers = []
-    for plane in stack.planes:
-        results, sender = spawn.Pipe()
-        proc = spawn.Process(target=follow, args=(plane.url, None, sender), daemon=True)
-        proc.start()
-        if not results.poll(60) or results.recv() != "ready":
-            raise RuntimeError("a stream reader did not start")
-        readers.append((proc, results))
+    readers = [start_follower(plane.url, None) for plane in stack.planes]
     requests = [{"prompt": f"{tag} {i}", "max_new_tokens": tokens, "ignore_eos": True} for i in range(n)]
     cpu0, t0 = stack.cpu(), time.perf_counter()
     ids = [job.id for job in client.submit_many(requests)]  # the client draws each id (`TokenPlane.new_id`)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import statistics
 import tempfile
 import time
@@ -42,7 +41,7 @@ from weightq.cli.redis_server import EmbeddedRedis
 from weightq.client import Client
 from weightq.settings import Settings
 
-from .pipeline import follow
+from .pipeline import start_follower
 
 
 def redis_cpu_s(client: redis.Redis) -> float:
@@ -113,12 +112,7 @@ def start_stack(name: str, home: Path, split: bool, args) -> Stack:
 
 def run_round(stack: Stack, client: Client, n: int, tokens: int, tag: str) -> dict:
     ids = [f"{tag}-{i}" for i in range(n)]
-    spawn = multiprocessing.get_context("spawn")
-    results, sender = spawn.Pipe(duplex=False)
-    reader = spawn.Process(target=follow, args=(stack.streams_url, ids, sender), daemon=True)
-    reader.start()
-    if not results.poll(60) or results.recv() != "ready":
-        raise RuntimeError("the stream reader did not start")
+    reader, results = start_follower(stack.streams_url, ids)
     requests = [
         {"prompt": f"token plane {i % 7}", "max_new_tokens": tokens, "ignore_eos": True, "request_id": job_id}
         for i, job_id in enumerate(ids)
