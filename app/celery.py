@@ -8,6 +8,8 @@ engine.
 
 from __future__ import annotations
 
+import logging
+
 from celery import Celery, signals
 from celery.app import backends
 
@@ -28,6 +30,20 @@ app = WorkerCelery("weightq", include=["weightq.tasks.generate"])
 app.config_from_object(celery_config(Settings.from_env()))
 app.steps["worker"].add("weightq.worker.boot:EngineStep")
 app.steps["consumer"].add("weightq.worker.boot:ConsumerLink")
+
+
+# the loggers of Celery's per-task lines (a job received, a job done); each checks its level once, at start
+TASK_LOGGERS = ("celery.worker.strategy", "celery.app.trace")
+
+
+@signals.after_setup_logger.connect
+def _quiet_task_lines(loglevel: int | str | None = None, **_kwargs) -> None:
+    """Two log lines a job are a sixth of a short job's cost in the worker: kept only when TASK_LOGS asks."""
+    level = logging.getLevelName(loglevel) if isinstance(loglevel, str) else loglevel
+    if Settings.from_env().worker.task_logs or (isinstance(level, int) and level <= logging.DEBUG):
+        return
+    for name in TASK_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 @signals.celeryd_after_setup.connect

@@ -170,6 +170,9 @@ class WorkerSettings(Group):
     recover_interval_s: float = 5.0  # how often a worker looks for jobs whose message was lost
     lost_job_grace_s: float = 30.0  # ... among jobs queued at least this long
     lost_job_scan_limit: int = 50_000  # ... when the queue is no longer than this
+    # Celery's "received" and "succeeded" lines, two a job at INFO: off unless asked (or at -l DEBUG),
+    # as they cost the worker's main process about a sixth of its CPU per short job (bench.jobcost)
+    task_logs: bool = False
 
     def reserved_slots(self) -> int:
         """INTERACTIVE_SLOTS resolved: the task threads background jobs leave to the urgent classes."""

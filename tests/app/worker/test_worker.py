@@ -327,3 +327,16 @@ def test_a_cancel_whose_publish_was_lost_still_ends_the_job_at_shutdown(service)
     second.wait_stats(lambda s: s["active_jobs"] == 0 and s["running"] == 0)
     ends = [f for _, f in service.client.redis.xrange(stream_key(job.id)) if f[b"type"] in (b"end", b"error")]
     assert len(ends) == 1, ends
+
+
+def test_celerys_per_task_lines_are_off_unless_task_logs_asks(service):
+    """Two INFO lines a job cost a short job's worker a sixth of its CPU (bench.jobcost): opt-in."""
+    for n, task_logs in enumerate((0, 1)):
+        w = service.worker(f"logs{n}@test", task_logs=task_logs).wait_ready()
+        job = service.client.submit("log lines", max_new_tokens=2, request_id=f"logs-{n}")
+        assert job.result(timeout=60)["finish_reason"] in ("length", "eos")
+        w.stop()
+        log = w.log()
+        assert "weightq engine ready" in log  # weightq's own INFO lines stay
+        lines = [f"[logs-{n}] received", f"[logs-{n}] succeeded in"]
+        assert [line in log for line in lines] == [bool(task_logs)] * 2, log[-2000:]
