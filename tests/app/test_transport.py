@@ -1,10 +1,13 @@
-"""The consumer's batch take (app/transport.py TAKE) against a real Redis, through kombu itself."""
+"""The consumer's batch take (app/transport.py TAKE) and batched acks against a real Redis, through kombu itself."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import redis
 from kombu import Connection, Consumer, Exchange, Producer, Queue
+from kombu.asynchronous import Hub, get_event_loop, set_event_loop
 from weightq.transport import priority_queues
 
 pytestmark = pytest.mark.service  # real Redis servers and worker processes
@@ -51,3 +54,47 @@ def test_one_drain_takes_a_burst_in_priority_order_and_records_each_as_unacked(s
             for _, message in got[8:]:
                 message.ack()
             assert r.hlen(channel.unacked_key) == 0 and r.zcard(channel.unacked_index_key) == 0
+
+
+def test_acks_on_the_event_loop_leave_redis_together_at_the_end_of_its_turn(service):
+    r = redis.Redis.from_url(service.url)
+    queue = Queue("acks", Exchange("acks", type="direct"), routing_key="acks")
+
+    def multis() -> int:
+        return r.info("commandstats").get("cmdstat_multi", {}).get("calls", 0)
+
+    with _connect(service.url) as conn:
+        producer = Producer(conn.channel(), exchange=queue.exchange, routing_key="acks")
+        queue(producer.channel).declare()
+        for i in range(8):
+            producer.publish({"i": i, "args": [None, None]})
+        got = []
+        channel = conn.channel()
+        channel.basic_qos(prefetch_count=8)
+        with Consumer(channel, [queue], callbacks=[lambda body, message: got.append(message)]):
+            conn.drain_events(timeout=5)
+            assert len(got) == 8 and r.hlen(channel.unacked_key) == 8
+            before, hub = get_event_loop(), set_event_loop(Hub())
+            try:
+                seen = []
+
+                def ack_three() -> None:  # as Celery's consumer acks: callbacks run in one turn of its loop
+                    for message in got[:3]:
+                        message.ack()
+                    seen.append((r.hlen(channel.unacked_key), channel.qos.can_consume_max_estimate()))
+
+                multi0 = multis()
+                hub.call_soon(ack_three)
+                next(hub.create_loop())  # one turn: the callbacks, then on_tick
+                assert seen == [(8, 3)]  # still recorded during the turn, yet their prefetch room is back
+                assert r.hlen(channel.unacked_key) == 5 and r.zcard(channel.unacked_index_key) == 5
+                assert multis() - multi0 == 1  # one transaction for the three
+                other = threading.Thread(target=got[3].ack)  # off the loop's thread: at once
+                other.start()
+                other.join()
+                assert r.hlen(channel.unacked_key) == 4
+                hub.call_soon(lambda: [m.ack() for m in got[4:]])
+                hub.close()  # the loop turns no more: the acks it runs as it closes go at once
+                assert r.hlen(channel.unacked_key) == 0 and r.zcard(channel.unacked_index_key) == 0
+            finally:
+                set_event_loop(before)
