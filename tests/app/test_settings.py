@@ -25,12 +25,14 @@ SIM_STEP_COST STREAMS_REDIS_URL STREAMS_SENTINEL_MASTER STREAM_FLUSH_MS STREAM_M
 TORCH_THREADS TRUSTED_PROXIES VISIBILITY_TIMEOUT_S WEIGHTQ_HOME
 """
 TODAYS_NAMES = NAMES_BEFORE_GROUPS.split()
+ADDED_SINCE = ["TASK_LOGS"]  # variables added after the grouping: new names, never renamed old ones
 BAD_ENGINE = {"TORCH_THREADS": "abc", "RUNNER": "bogus", "MAX_BATCH_WEIGHT": "lots"}
 
 
 def test_the_environment_names_are_todays_one_field_each():
     assert len(TODAYS_NAMES) == 75
-    assert set(ENV) == set(TODAYS_NAMES) and len(ENV) == sum(len(g.model_fields) for g in GROUPS.values())
+    names = set(TODAYS_NAMES) | set(ADDED_SINCE)
+    assert set(ENV) == names and len(ENV) == sum(len(g.model_fields) for g in GROUPS.values())
 
 
 def test_from_env_types_and_defaults():
