@@ -175,7 +175,10 @@ def admit(batcher: Batcher, now: float, plan: StepPlan, load: PrefillLoad) -> Ou
         if cand.tenant in capped or (
             cfg.tenant_cap and fair and tenants.reserved[cand.tenant] >= cfg.tenant_cap * batcher.budget
         ):
-            continue  # its tenant has its share: the others' requests may still start
+            # its tenant has its share: the others' requests may still start, and none of this tenant's
+            # later ones in this pass (a preemption further on may free its share: they must not jump it)
+            capped.add(cand.tenant)
+            continue
         if first_blocked is not None and (
             scanned - first_idx > cfg.jump_scan
             or keys[cand.id][0] != keys[first_blocked.id][0]  # a lower class never jumps a higher one
