@@ -103,6 +103,10 @@ class BatchedQoS(kombu_redis.QoS):
         virtual.QoS.ack(self, delivery_tag)  # its prefetch room, now
         return None
 
+    @property
+    def unacked_keys(self) -> tuple[str, str]:
+        return self.unacked_index_key, self.unacked_key
+
     def flush_acks(self) -> None:
         """The acks of this turn of the loop: one transaction for all of them."""
         if not self._acks:
@@ -111,9 +115,9 @@ class BatchedQoS(kombu_redis.QoS):
         try:
             try:
                 with self.pipe_or_acquire() as pipe:
-                    pipe.zrem(self.unacked_index_key, *tags).hdel(self.unacked_key, *tags).execute()
+                    forget_unacked(pipe, tags, self.unacked_keys).execute()
             except AttributeError:  # a stale channel (see basic_ack)
-                _fresh_client().pipeline().zrem(self.unacked_index_key, *tags).hdel(self.unacked_key, *tags).execute()
+                forget_unacked(_fresh_client().pipeline(), tags, self.unacked_keys).execute()
         except redis.RedisError as e:  # their messages come back after the visibility timeout, done already
             log.warning("%d acks not recorded in Redis (%s); their jobs' BEGIN will answer a redelivery", len(tags), e)
 
@@ -209,15 +213,16 @@ class StaleChannelSafe:
             recorded.add(payload["properties"]["delivery_tag"])
             self.connection._deliver(payload, dest)
 
+    @property
+    def unacked_keys(self) -> tuple[str, str]:
+        return self.unacked_index_key, self.unacked_key
+
     def basic_ack(self, delivery_tag, multiple=False):
         try:
             return super().basic_ack(delivery_tag, multiple)
         except AttributeError:  # a stale channel: its connection went with the old broker connection
             log.warning("acking %s outside its stale channel", delivery_tag)
-            pipe = _fresh_client().pipeline()
-            pipe.zrem(self.unacked_index_key, delivery_tag)
-            pipe.hdel(self.unacked_key, delivery_tag)
-            pipe.execute()
+            forget_unacked(_fresh_client().pipeline(), [delivery_tag], self.unacked_keys).execute()
 
     def basic_reject(self, delivery_tag, requeue=False):
         try:
@@ -232,9 +237,20 @@ class StaleChannelSafe:
                 priority = self._get_message_priority(message, reverse=False)
                 queue = self._q_for_pri(served_queue(routing_key), priority)
                 pipe.lpush(queue, kombu_redis.dumps(message))  # the default exchange: key = queue, per priority
-            pipe.zrem(self.unacked_index_key, delivery_tag)
-            pipe.hdel(self.unacked_key, delivery_tag)
-            pipe.execute()
+            forget_unacked(pipe, [delivery_tag], self.unacked_keys).execute()
+
+
+# kombu's record of the messages delivered and not yet acked: the message by delivery tag, and the index of
+# tags by delivery time that its visibility sweep reads (the same names on every channel)
+UNACKED, UNACKED_INDEX = kombu_redis.Channel.unacked_key, kombu_redis.Channel.unacked_index_key
+
+
+def forget_unacked(pipe, tags: list[str], keys: tuple[str, str] = (UNACKED_INDEX, UNACKED)):
+    """Queue on `pipe` the deletions that make delivered messages acked (kombu's own: the index, then
+    the message; `keys` a channel's own names for them), for an ack, a reject, or a restore under a
+    fresh tag. Returns the pipe."""
+    index, unacked = keys
+    return pipe.zrem(index, *tags).hdel(unacked, *tags)
 
 
 def _fresh_tag(payload: dict) -> None:
@@ -246,15 +262,13 @@ def restore_unacked(client: redis.Redis, tags: list[str]) -> list[str]:
     """Put the unacked messages with these delivery tags back at the head of their queue lists (as
     kombu restores the messages a visibility timeout expired), each under a fresh tag; returns the
     task ids restored. Each in a WATCH transaction: two workers restoring one tag restore it once."""
-    unacked, index = kombu_redis.Channel.unacked_key, kombu_redis.Channel.unacked_index_key
     restored = []
     for tag in tags:
 
         def restore(pipe, tag=tag):
-            raw = pipe.hget(unacked, tag)
+            raw = pipe.hget(UNACKED, tag)
             pipe.multi()
-            pipe.zrem(index, tag)
-            pipe.hdel(unacked, tag)
+            forget_unacked(pipe, [tag])
             if raw is None:
                 return None  # acked, or restored already
             message, _, routing_key = kombu_redis.loads(kombu_redis.bytes_to_str(raw))
@@ -270,7 +284,7 @@ def restore_unacked(client: redis.Redis, tags: list[str]) -> list[str]:
             pipe.rpush(priority_queues(served_queue(routing_key))[priority], kombu_redis.dumps(message))
             return message.get("headers", {}).get("id") or tag
 
-        job = client.transaction(restore, unacked, value_from_callable=True)
+        job = client.transaction(restore, UNACKED, value_from_callable=True)
         if job is not None:
             restored.append(job)
     return restored
