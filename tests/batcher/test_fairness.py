@@ -7,6 +7,8 @@ from weightq.batcher import Batcher, BatcherConfig, Request
 from weightq.batcher.fairness import TenantShares, jain_index
 from weightq.batcher.sim import simulate_tenants
 
+from tests.drive import drive
+
 
 def test_the_tenant_with_the_least_service_goes_first_and_tenants_interleave():
     shares = TenantShares()
@@ -65,8 +67,6 @@ def test_a_tenant_at_its_share_keeps_its_own_order_when_a_preemption_frees_it():
     """Tenant a at its share is passed over; b's request then preempts one of a's, which frees a's
     share in the same pass: a's later, smaller request must not start ahead of its earlier one
     (found by test_properties with jumping off)."""
-    from tests.drive import drive
-
     cfg = BatcherConfig(
         max_batch_weight=81, max_total_tokens=28, weight_model="padded", block_size=1, jump_window_s=0.0,
         mode="worst_case", fairness=True, tenant_cap=0.5, fair_preemption=True,
