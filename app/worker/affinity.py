@@ -126,10 +126,8 @@ class Affinity:
 
     def steal(self, room: int, idle: bool = False) -> int:
         """With room for `room` more jobs and nothing else to take: take from the fullest other own
-        queue that was non-empty at the last poll too (a job its owner takes within a poll stays
-        there, with its cached prefix), or at once when this worker holds no job (`idle`: an idle
-        device costs more than a prefix computed again). Returns the messages moved here. `idle` also
-        counts the time it idles while work waits (`idle_queued_s`)."""
+        queue that was non-empty at the last poll too. Returns the messages moved here. `idle` (the
+        worker holds no job) counts the time it idles while work waits (`idle_queued_s`)."""
         if self.queue is None or (room <= 0 and not idle):
             return 0
         others = [q for q in own_queues(self.redis, self.settings.queues.queue) if q != self.queue]
@@ -144,7 +142,7 @@ class Affinity:
             return 0
         backlogged = {q: n for q, n in zip(others, theirs, strict=True) if n}
         seen, self._seen_waiting = self._seen_waiting, set(backlogged)
-        candidates = list(backlogged) if idle else [q for q in backlogged if q in seen]
+        candidates = [q for q in backlogged if q in seen]
         if not candidates:
             return 0
         victim = max(candidates, key=lambda q: backlogged[q])

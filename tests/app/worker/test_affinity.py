@@ -81,31 +81,22 @@ def test_a_dead_workers_queue_goes_to_the_shared_queue_and_a_live_ones_stays(red
     assert r.hexists(WORKER_QUEUES, worker_queue(queue, "live@t"))
 
 
-def test_a_busy_worker_steals_a_backlog_seen_twice_and_an_idle_one_at_first_sight(redis_url):
+def test_a_worker_steals_only_a_backlog_seen_at_two_polls_and_counts_its_idle_time(redis_url):
     r = redis.Redis.from_url(redis_url)
+    r.flushall()
     queue = Settings(redis_url=redis_url).queues.queue
-
-    def backlog(n: int) -> str:
-        r.flushall()
-        for name in ("owner@t", "thief@t"):
-            entry = {"queue": queue, "instance": f"{name}/1", "hostname": name}
-            r.hset(WORKER_QUEUES, worker_queue(queue, name), json.dumps(entry))
-        theirs = worker_queue(queue, "owner@t")
-        r.lpush(priority_queues(theirs)[4], *[f"job {i}" for i in range(n)])
-        return theirs
-
-    theirs = backlog(6)
-    busy = Affinity(r, r, Settings(redis_url=redis_url), "thief@t", "thief@t/1")
-    assert busy.steal(room=4) == 0  # it may be taken by its owner within a poll: left there
-    assert busy.steal(room=4) == 3  # still there a poll later: half of it, the oldest first
-    assert waiting_counts(r, [theirs, busy.queue]) == [3, 3] and busy.stolen == 3
-    assert r.rpop(priority_queues(busy.queue)[4]) == b"job 0"
-
-    backlog(6)
-    idle = Affinity(r, r, Settings(redis_url=redis_url), "thief@t", "thief@t/1")
-    assert idle.steal(room=4, idle=True) == 3  # holding no job: at once
-    assert idle.idle_queued_s > 0
-    assert idle.steal(room=0, idle=True) == 0  # no room: nothing, however idle
+    for name in ("owner@t", "thief@t"):
+        entry = {"queue": queue, "instance": f"{name}/1", "hostname": name}
+        r.hset(WORKER_QUEUES, worker_queue(queue, name), json.dumps(entry))
+    theirs = worker_queue(queue, "owner@t")
+    r.lpush(priority_queues(theirs)[4], *[f"job {i}" for i in range(6)])
+    thief = Affinity(r, r, Settings(redis_url=redis_url), "thief@t", "thief@t/1")
+    assert thief.steal(room=4, idle=True) == 0  # its owner may take it within a poll: left there
+    assert thief.idle_queued_s > 0  # but the idle time while it waited is counted
+    assert thief.steal(room=0) == 0  # no room: nothing
+    assert thief.steal(room=4) == 3  # still there a poll later: half of it, the oldest first
+    assert waiting_counts(r, [theirs, thief.queue]) == [3, 3] and thief.stolen == 3
+    assert r.rpop(priority_queues(thief.queue)[4]) == b"job 0"
 
 
 def test_a_message_of_an_own_queue_is_restored_to_the_shared_queue(redis_url):
