@@ -122,8 +122,11 @@ class BatchedQoS(kombu_redis.QoS):
             log.warning("%d acks not recorded in Redis (%s); their jobs' BEGIN will answer a redelivery", len(tags), e)
 
     def _loop_closing(self, hub) -> None:
+        """The loop closes, or resets for a new broker connection (whose channel has a QoS of its
+        own): acks go at once from now on, and the loop keeps no reference to this channel."""
         self._closed_loop = hub
         hub.on_tick.discard(self.flush_acks)
+        hub.on_close.discard(self._loop_closing)  # the hub calls a copy of the set: safe
         self.flush_acks()
 
     def restore_unacked_once(self, stderr=None):
@@ -216,6 +219,14 @@ class StaleChannelSafe:
     @property
     def unacked_keys(self) -> tuple[str, str]:
         return self.unacked_index_key, self.unacked_key
+
+    def close(self):
+        """The acks this loop turn batched go first, on the channel's own connection: kombu's close
+        disconnects its pools before it restores unacked messages, and a flush then would open a
+        connection of its own and leave it open."""
+        if not self.closed and isinstance(self._qos, BatchedQoS):
+            self._qos.flush_acks()
+        super().close()
 
     def basic_ack(self, delivery_tag, multiple=False):
         try:
