@@ -8,7 +8,8 @@ about one in ten is cancelled (client cancel, or an HTTP client hanging up mid-s
 have finished the worker is SIGKILLed and a fresh one started. At the end every job's fate is read
 from Redis: completed, cancelled, failed (errors), lost (never finished), duplicated (more than one
 end entry in its stream). Worker memory is the survivor's RSS after its first 200 jobs and at the
-end; Redis keys left without an expiry must all be the documented singletons.
+end; Redis keys left without an expiry must all be the documented singletons (and the fair-order state of
+the queues still served).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from weightq.cli.redis_server import EmbeddedRedis
 from weightq.client import Client
 from weightq.settings import Settings
 from weightq.tasks.contract import SINGLETONS as CONTRACT_KEYS
-from weightq.tasks.contract import is_end, job_key, stream_key
+from weightq.tasks.contract import WORKER_QUEUES, fair_key, is_end, job_key, stream_key
 from weightq.transport import priority_queues
 
 SINGLETONS = {*CONTRACT_KEYS, "weightq", "unacked", "unacked_index"}  # kombu's own, and the queue
@@ -195,7 +196,9 @@ class Soak:
     def keys_report(self) -> dict:
         keys = list(self.r.scan_iter(count=1000))
         no_expiry = [k for k in keys if self.r.ttl(k) == -1]
-        unexpected = sorted(k for k in no_expiry if k not in SINGLETONS and not k.startswith("_kombu."))
+        queues = {"weightq", *self.r.hkeys(WORKER_QUEUES)}  # the shared queue and the registered own ones
+        expected = SINGLETONS | {fair_key(q) for q in queues}  # their fair-order state (a forgotten one's goes)
+        unexpected = sorted(k for k in no_expiry if k not in expected and not k.startswith("_kombu."))
         return {"redis_keys_end": len(keys), "redis_keys_without_expiry_unexpected": unexpected[:10]}
 
     def close(self) -> None:

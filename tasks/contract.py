@@ -71,7 +71,7 @@ from .entries import (  # noqa: F401
 )
 
 # the atomic state changes, in Lua (scripts.py, queue_scripts.py), are part of the contract: importable from here
-from .queue_scripts import MOVE_QUEUED, RELEASE, STAGE  # noqa: F401
+from .queue_scripts import FORGET_FAIR, MOVE_QUEUED, RELEASE, STAGE  # noqa: F401
 from .results import Finished
 from .scripts import (  # noqa: F401
     ABORT,

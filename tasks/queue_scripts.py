@@ -59,6 +59,11 @@ return string.format('%.17g', s)
 # count against ARGV[1] (all) and ARGV[2] (the urgent classes', released and not yet taken), never
 # against light, whose jobs go ahead of them. Returns {released, the urgent classes' messages waiting
 # in both's lists: 0, uncounted, when nothing was released, ARGV[2] is 0 and ARGV[7] (recount) is 0}.
+# A release that leaves a source with nothing staged drops its tenants' finish tags there (the
+# class clocks stay). With nothing staged every tag is within a job of its class's clock, so a new job's
+# start tag is what it would have been, give or take a job (and service in one class no longer counts
+# against another once the queue empties: there was no contention left to arbitrate); kept, the hash
+# would hold every tenant that ever sent a job, for ever. Between two empty moments it holds those that did.
 LIGHT_SCAN = 32  # staged jobs RELEASE looks through for a light tenant's, beyond the room
 RELEASE = """
 local LIGHT_SCAN = @LIGHT_SCAN@
@@ -122,6 +127,17 @@ end
 for p, jobs in pairs(beyond) do
   for i = #jobs, 1, -1 do redis.call('RPUSH', KEYS[1 + p], jobs[i]) end
 end
+for s = 0, sources - 1 do  -- a source this call emptied forgets its tenants' finish tags (see above)
+  local fair = KEYS[21 + s * 11]
+  if staged_any[s] and tonumber(redis.call('HGET', fair, 'n') or '0') <= 0 then
+    local gone = {}
+    for _, f in ipairs(redis.call('HKEYS', fair)) do
+      if string.sub(f, 1, 2) == 't:' then gone[#gone + 1] = f end
+      if #gone == 512 then redis.call('HDEL', fair, unpack(gone)); gone = {} end
+    end
+    if #gone > 0 then redis.call('HDEL', fair, unpack(gone)) end
+  end
+end
 local waiting = 0
 -- counted only when something may have gone beyond the room: an idle worker's look stays two reads
 if released == 0 and ARGV[2] == '0' and ARGV[7] ~= '1' then return {0, 0} end
@@ -132,3 +148,11 @@ end
 return {released, waiting}
 """
 RELEASE = RELEASE.replace("@LIGHT_SCAN@", str(LIGHT_SCAN))
+
+# A queue that is forgotten (a dead worker's own queue, drained and unregistered) takes its fair state
+# with it, unless something was staged there since (a client that still routed to it): then it stays
+# for RELEASE to find. KEYS: the queue's fair hash. Returns 1 if deleted.
+FORGET_FAIR = """
+if tonumber(redis.call('HGET', KEYS[1], 'n') or '0') > 0 then return 0 end
+return redis.call('DEL', KEYS[1])
+"""

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import redis
 from weightq.metrics import read_live_workers
 from weightq.settings import Settings
-from weightq.tasks.contract import MOVE_QUEUED, WORKER_QUEUES, lease_key, worker_queue
+from weightq.tasks.contract import FORGET_FAIR, MOVE_QUEUED, WORKER_QUEUES, fair_key, lease_key, worker_queue
 from weightq.transport import priority_queues, waiting_counts
 
 from .intake import EVERYTHING, Release
@@ -70,6 +70,7 @@ class Affinity:
         self.hostname, self.instance = hostname, instance
         self.queue = worker_queue(settings.queues.queue, hostname) if settings.queues.affinity else None
         self._move = broker.register_script(MOVE_QUEUED)
+        self._forget_fair = broker.register_script(FORGET_FAIR)
         self._release = Release(broker)
         self._seen_waiting: set[str] = set()  # other own queues found non-empty by the last poll
         self._gone: dict[str, float] = {}  # own queues of lapsed leases -> since when (monotonic)
@@ -120,6 +121,7 @@ class Affinity:
             settled = now - self._gone[q] > w.visibility_timeout_s + 2 * w.lease_ttl_s
             if settled and routed.get("own_queue") != q and not waiting_counts(self.broker, [q])[0]:
                 self.redis.hdel(WORKER_QUEUES, q)
+                self._forget_fair(keys=[fair_key(q)])
                 del self._gone[q]
         self.drained += moved
         return moved

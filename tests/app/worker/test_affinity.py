@@ -15,7 +15,7 @@ from weightq.client import Client
 from weightq.client.routing import Router
 from weightq.settings import Settings
 from weightq.tasks.affinity import rendezvous, route_key
-from weightq.tasks.contract import HEARTBEATS, WORKER_QUEUES, job_key, lease_key, worker_queue
+from weightq.tasks.contract import HEARTBEATS, WORKER_QUEUES, fair_key, job_key, lease_key, worker_queue
 from weightq.tasks.request import JobRequest
 from weightq.token_plane import TokenPlane
 from weightq.transport import priority_queues, waiting_counts
@@ -70,6 +70,8 @@ def test_a_dead_workers_queue_goes_to_the_shared_queue_and_a_live_ones_stays(red
         r.hset(WORKER_QUEUES, worker_queue(queue, name), json.dumps(entry))
         r.lpush(priority_queues(worker_queue(queue, name))[4], "job a", "job b")
     r.set(lease_key("live@t/1"), "live@t", px=10_000)
+    for name in ("dead@t", "live@t"):  # fair-order state, nothing staged
+        r.hset(fair_key(worker_queue(queue, name)), mapping={"v:4": 30, "n": 0})
     me = Affinity(r, r, Settings(redis_url=redis_url, visibility_timeout_s=1, lease_ttl_s=0.1), "me@t", "me@t/1")
     assert me.drain_dead() == 2
     assert waiting_counts(r, [queue, worker_queue(queue, "dead@t"), worker_queue(queue, "live@t")]) == [2, 0, 2]
@@ -78,7 +80,9 @@ def test_a_dead_workers_queue_goes_to_the_shared_queue_and_a_live_ones_stays(red
     time.sleep(1.3)
     assert me.drain_dead() == 0
     assert not r.hexists(WORKER_QUEUES, worker_queue(queue, "dead@t"))  # empty, no heartbeat: forgotten
+    assert not r.exists(fair_key(worker_queue(queue, "dead@t")))  # with its fair-order state
     assert r.hexists(WORKER_QUEUES, worker_queue(queue, "live@t"))
+    assert r.exists(fair_key(worker_queue(queue, "live@t")))
 
 
 def test_a_worker_steals_only_a_backlog_seen_at_two_polls_and_counts_its_idle_time(redis_url):

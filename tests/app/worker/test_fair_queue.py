@@ -57,6 +57,22 @@ def test_staged_jobs_are_released_by_class_then_by_each_tenants_share_in_weight(
     assert release("q", ["q"], 10).jobs == 4 and taken(r, "q") == [f"heavy{i}" for i in range(2, 6)]
 
 
+def test_a_release_that_empties_a_queue_forgets_its_tenants_and_keeps_its_clocks(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    r.flushall()
+    release = Release(r)
+    for i in range(3):
+        stage(r, "q", f"a{i}", "A", 100)
+        stage(r, "q", f"b{i}", "B", 10, priority=0)
+    assert release("q", ["q"], 4).jobs == 4  # two of A's left: every tenant's finish tag is kept
+    assert {k.decode() for k in r.hkeys(fair_key("q"))} == {"t:A", "t:B", "v:0", "n"}
+    assert release("q", ["q"], 10).jobs == 2
+    state = {k.decode(): float(v) for k, v in r.hgetall(fair_key("q")).items()}
+    assert state == {"v:0": 20.0, "v:4": 200.0, "n": 0.0}  # nothing staged: no tenant kept, the clocks stay
+    stage(r, "q", "a3", "A", 100)  # at the clock of its class, as a newcomer (its finish tag was 300)
+    assert r.zscore(staged_sets("q")[4], "A a3") == 200.0 and r.hget(fair_key("q"), "t:A") == b"300"
+
+
 def test_release_counts_what_waits_and_goes_beyond_the_room_only_for_the_urgent_and_the_light(redis_url):
     r = redis.Redis.from_url(redis_url)
     r.flushall()
