@@ -103,10 +103,6 @@ class BatchedQoS(kombu_redis.QoS):
         virtual.QoS.ack(self, delivery_tag)  # its prefetch room, now
         return None
 
-    @property
-    def unacked_keys(self) -> tuple[str, str]:
-        return self.unacked_index_key, self.unacked_key
-
     def flush_acks(self) -> None:
         """The acks of this turn of the loop: one transaction for all of them."""
         if not self._acks:
@@ -115,9 +111,9 @@ class BatchedQoS(kombu_redis.QoS):
         try:
             try:
                 with self.pipe_or_acquire() as pipe:
-                    forget_unacked(pipe, tags, self.unacked_keys).execute()
+                    forget_unacked(pipe, tags, self.channel.unacked_keys).execute()
             except AttributeError:  # a stale channel (see basic_ack)
-                forget_unacked(_fresh_client().pipeline(), tags, self.unacked_keys).execute()
+                forget_unacked(_fresh_client().pipeline(), tags, self.channel.unacked_keys).execute()
         except redis.RedisError as e:  # their messages come back after the visibility timeout, done already
             log.warning("%d acks not recorded in Redis (%s); their jobs' BEGIN will answer a redelivery", len(tags), e)
 
@@ -218,6 +214,7 @@ class StaleChannelSafe:
 
     @property
     def unacked_keys(self) -> tuple[str, str]:
+        """This channel's names for kombu's unacked index and messages (`forget_unacked`)."""
         return self.unacked_index_key, self.unacked_key
 
     def close(self):

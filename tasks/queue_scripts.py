@@ -83,9 +83,10 @@ if ARGV[5] == '1' then
 end
 local released = 0
 local beyond = {}
-local staged_any = {}
+local staged_any, left = {}, {}  -- per source: whether anything is staged, how much (the script is atomic)
 for s = 0, sources - 1 do
-  staged_any[s] = tonumber(redis.call('HGET', KEYS[21 + s * 11], 'n') or '0') > 0
+  left[s] = tonumber(redis.call('HGET', KEYS[21 + s * 11], 'n') or '0')
+  staged_any[s] = left[s] > 0
 end
 for p = 0, 9 do
   for s = 0, sources - 1 do
@@ -112,6 +113,7 @@ for p = 0, 9 do
       local space = string.find(member, ' ', 1, true)
       redis.call('ZREM', staged, member)
       redis.call('HINCRBY', fair, 'n', -1)
+      left[s] = left[s] - 1
       if past then  -- beyond the room: taken before what waits in the list (pushed at its consuming end below)
         beyond[p] = beyond[p] or {}
         table.insert(beyond[p], string.sub(member, space + 1))
@@ -129,7 +131,7 @@ for p, jobs in pairs(beyond) do
 end
 for s = 0, sources - 1 do  -- a source this call emptied forgets its tenants' finish tags (see above)
   local fair = KEYS[21 + s * 11]
-  if staged_any[s] and tonumber(redis.call('HGET', fair, 'n') or '0') <= 0 then
+  if staged_any[s] and left[s] <= 0 then
     local gone = {}
     for _, f in ipairs(redis.call('HKEYS', fair)) do
       if string.sub(f, 1, 2) == 't:' then gone[#gone + 1] = f end

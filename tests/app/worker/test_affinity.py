@@ -35,6 +35,14 @@ def prefix_for(worker: str, workers: list[str], tag: str) -> str:
     raise AssertionError("no prefix found")
 
 
+def register_own_queues(r: redis.Redis, queue: str, names: list[str]) -> list[str]:
+    """Each worker's own queue listed in the registry, as a worker registers it (instance `<name>/1`)."""
+    owns = [worker_queue(queue, name) for name in names]
+    for name, own in zip(names, owns, strict=True):
+        r.hset(WORKER_QUEUES, own, json.dumps({"queue": queue, "instance": f"{name}/1", "hostname": name}))
+    return owns
+
+
 def ran_on(client: Client, job_id: str) -> str:
     """The worker of the job's last run (its instance is the job's owner: hostname/suffix)."""
     owner = client.redis.hget(job_key(job_id), "owner")
@@ -65,10 +73,8 @@ def test_a_dead_workers_queue_goes_to_the_shared_queue_and_a_live_ones_stays(red
     r = redis.Redis.from_url(redis_url)
     r.flushall()
     queue = Settings(redis_url=redis_url).queues.queue
-    for name in ("dead@t", "live@t"):
-        entry = {"queue": queue, "instance": f"{name}/1", "hostname": name}
-        r.hset(WORKER_QUEUES, worker_queue(queue, name), json.dumps(entry))
-        r.lpush(priority_queues(worker_queue(queue, name))[4], "job a", "job b")
+    for own in register_own_queues(r, queue, ["dead@t", "live@t"]):
+        r.lpush(priority_queues(own)[4], "job a", "job b")
     r.set(lease_key("live@t/1"), "live@t", px=10_000)
     for name in ("dead@t", "live@t"):  # fair-order state, nothing staged
         r.hset(fair_key(worker_queue(queue, name)), mapping={"v:4": 30, "n": 0})
@@ -89,10 +95,7 @@ def test_a_worker_steals_only_a_backlog_seen_at_two_polls_and_counts_its_idle_ti
     r = redis.Redis.from_url(redis_url)
     r.flushall()
     queue = Settings(redis_url=redis_url).queues.queue
-    for name in ("owner@t", "thief@t"):
-        entry = {"queue": queue, "instance": f"{name}/1", "hostname": name}
-        r.hset(WORKER_QUEUES, worker_queue(queue, name), json.dumps(entry))
-    theirs = worker_queue(queue, "owner@t")
+    theirs, _ = register_own_queues(r, queue, ["owner@t", "thief@t"])
     r.lpush(priority_queues(theirs)[4], *[f"job {i}" for i in range(6)])
     thief = Affinity(r, r, Settings(redis_url=redis_url), "thief@t", "thief@t/1")
     assert thief.steal(room=4, idle=True) == 0  # its owner may take it within a poll: left there
