@@ -209,6 +209,10 @@ class QueueSettings(Group):
     affinity_prefix_chars: int = Field(256, ge=1)
     # ... unless that worker's own queue already holds this many jobs: then the shared queue (a hot prefix spreads)
     affinity_backlog: int = Field(256, ge=0)
+    # Bounded load: a worker's own queue takes a job while it holds fewer than (1 + AFFINITY_SLACK) x the
+    # mean backlog of the workers that could take it (at least 16); past that the job goes to the next
+    # worker in its prefix's order, so hashing never piles work on one worker and moves only the excess
+    affinity_slack: float = Field(0.05, ge=0)
     # The prefix cache is per tenant (an API key's jobs only find their own prompts' blocks, and
     # cached_tokens says nothing of others'); on: all tenants share it (one trusted organisation).
     # Here because the client's routing key and the worker's cache salt must agree on it.

@@ -1,6 +1,14 @@
 """Which queue a job is sent to (AFFINITY): the own queue of the worker its prompt's prefix hashes to
 (tasks/affinity.py), or the shared queue every worker of QUEUE takes from.
 
+Hashing alone spreads distinct prompts unevenly (192 jobs over three workers: 54 / 66 / 72), and the
+busiest worker (and its token-plane shard) sets the pace. So the choice is a bounded-load rendezvous
+(consistent hashing with bounded loads, Mirrokni et al.): a worker takes a job while its backlog is
+under (1 + AFFINITY_SLACK) x the mean of the workers that could take it, this job counted, and never
+less than BALANCE_FLOOR; past that the job goes to the next worker in its key's order. Only the excess
+moves, always to the same second choice, so a prefix is cached on one worker, or on two when it is hot;
+and at a light load (a backlog under the floor) affinity is never traded for balance.
+
 The live workers come from their heartbeats (those that advertise an own queue on this QUEUE), read at
 most once a second. A job goes to the shared queue when no such worker is known, or when the chosen
 worker's own queue already holds AFFINITY_BACKLOG jobs (counted in one round trip per submission,
@@ -11,6 +19,7 @@ them (app/worker/affinity.py), and a dead worker's queue is moved to the shared 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 
@@ -22,6 +31,7 @@ from weightq.tasks.request import JobRequest
 from weightq.transport import waiting_counts
 
 REFRESH_S = 1.0  # heartbeats come once a second
+BALANCE_FLOOR = 16  # a backlog this short is never a reason to send a job away from its prefix's worker
 
 
 class Router:
@@ -86,11 +96,17 @@ class Router:
             return shared
         names = sorted(workers)
         backlog = dict(zip(names, waiting_counts(self.broker, [workers[n] for n in names]), strict=True))
+        total = sum(backlog.values())
         out = []
         for job in jobs:
             holders = [n for n in names if n in self._adapters.get(job.adapter, ())] if job.adapter else names
-            best = rendezvous(route_key(job, s.affinity_prefix_chars, s.prefix_cache_shared), holders or names)[0]
+            can = holders or names
+            held = total if len(can) == len(names) else sum(backlog[n] for n in can)
+            cap = max(BALANCE_FLOOR, math.ceil((1 + s.affinity_slack) * (held + 1) / len(can)))
+            order = rendezvous(route_key(job, s.affinity_prefix_chars, s.prefix_cache_shared), can)
+            best = next((n for n in order if backlog[n] < cap), order[0])  # one is: the least is under the mean
             if backlog[best] < s.affinity_backlog:
+                total += 1
                 backlog[best] += 1
                 out.append(workers[best])
             else:

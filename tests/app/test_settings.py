@@ -25,7 +25,7 @@ SIM_STEP_COST STREAMS_REDIS_URL STREAMS_SENTINEL_MASTER STREAM_FLUSH_MS STREAM_M
 TORCH_THREADS TRUSTED_PROXIES VISIBILITY_TIMEOUT_S WEIGHTQ_HOME
 """
 TODAYS_NAMES = NAMES_BEFORE_GROUPS.split()
-ADDED_SINCE = ["TASK_LOGS"]  # variables added after the grouping: new names, never renamed old ones
+ADDED_SINCE = ["TASK_LOGS", "AFFINITY_SLACK"]  # variables added after the grouping: new names, never renamed old ones
 BAD_ENGINE = {"TORCH_THREADS": "abc", "RUNNER": "bogus", "MAX_BATCH_WEIGHT": "lots"}
 
 

@@ -153,6 +153,38 @@ def test_the_router_sends_a_prefix_to_its_worker_until_the_backlog_then_to_the_s
     assert Router(r, r, off).queues(jobs) == [queue] * len(jobs)
 
 
+def test_the_router_bounds_each_workers_backlog_and_moves_only_the_excess(redis_url):
+    """Bounded-load rendezvous: no worker past (1 + AFFINITY_SLACK) x the mean, the excess to its key's
+    second worker (so a hot prefix is cached on two, not all), and nothing moved under the floor."""
+    r = redis.Redis.from_url(redis_url)
+    r.flushall()
+    s = Settings(redis_url=redis_url).queues
+    names = ["a@t", "b@t", "c@t"]
+    owns = [worker_queue(s.queue, n) for n in names]
+    for n, own in zip(names, owns, strict=True):
+        heartbeat(r, n, own)
+    jobs = [JobRequest(prompt=f"q {i}") for i in range(300)]
+    first = [worker_queue(s.queue, rendezvous(route_key(j, 256), names)[0]) for j in jobs]
+    natural = max(first.count(q) for q in owns)
+    assert natural > 105  # hashing alone piles more than the bound on one worker
+    queues = Router(r, r, s).queues(jobs)
+    assert max(queues.count(q) for q in owns) <= 105 and set(queues) == set(owns)  # ceil(1.05 x 300 / 3)
+    moved = sum(a != b for a, b in zip(queues, first, strict=True))
+    assert 0 < moved <= 2 * (natural - 100)  # only about the excess moves
+    pure = Settings(redis_url=redis_url, affinity_slack=100).queues  # a slack past any backlog: hashing alone
+    assert Router(r, r, pure).queues(jobs) == first
+
+    # a light load keeps affinity: a burst under the floor stays on its prefix's worker
+    hot = prefix_for("b@t", names, "hot")
+    burst = [JobRequest(prompt=hot + str(i)) for i in range(12)]
+    assert Router(r, r, s).queues(burst) == [owns[1]] * 12
+    # b backlogged well past the others: the prefix's next jobs go to one second worker, the same each time
+    r.lpush(priority_queues(owns[1])[4], *range(40))
+    r.lpush(priority_queues(owns[0])[4], *range(10))
+    second = worker_queue(s.queue, rendezvous(route_key(burst[0], 256), names)[1])
+    assert set(Router(r, r, s).queues(burst)) == {second}
+
+
 def test_fresh_ids_live_on_the_shards_of_the_worker_they_are_routed_to(redis_url):
     """Each worker's jobs on one or two token-plane shards, each shard with an equal share of workers."""
     r = redis.Redis.from_url(redis_url)
