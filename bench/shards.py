@@ -20,6 +20,14 @@ streamed tokens / the busiest shard's CPU seconds. Figures (medians over rounds)
 - busiest_share: the busiest shard's part of that CPU (1/n when the jobs spread evenly);
 - capacity_tok_s and capacity_vs_one: the rate at which the busiest shard's core is full, and its ratio
   to one shard's (the issue's "three shards sustain >= 2.7x one").
+That last figure charges every shard's background (the workers' leases, sweeps and held sets on each
+shard, the server's own cron: CPU per second, not per token) to the round's tokens, and the tokens are
+what this machine's workers stream (about a tenth of what a shard carries when full): with n shards
+there is n times the background over the same tokens. So each stack's background is measured too, with
+its workers idle (background_ms_per_s per shard, before the rounds), and the per-token cost left once it
+is taken out of each round (marginal_cpu_ms_per_1000_tokens); a shard at saturation spends its
+background and the rest of its core on tokens: saturated_capacity_tok_s = min over shards of (1 s - its
+background) / its marginal CPU per token, and saturated_capacity_vs_first its ratio to one shard's.
 """
 
 from __future__ import annotations
@@ -91,7 +99,14 @@ def start_stack(shards: int, home: Path, args) -> ShardedStack:
     return stack
 
 
-def run_round(stack: ShardedStack, client: Client, n: int, tokens: int, tag: str) -> dict:
+def background_ms_per_s(stack: ShardedStack, seconds: float) -> list[float]:
+    """Each shard's Redis CPU per second with the workers idle: what it spends whatever the load."""
+    cpu0 = stack.cpu()
+    time.sleep(seconds)
+    return [1000 * (b - a) / seconds for a, b in zip(cpu0, stack.cpu(), strict=True)]
+
+
+def run_round(stack: ShardedStack, client: Client, n: int, tokens: int, tag: str, background: list[float]) -> dict:
     readers = [start_follower(plane.url, None) for plane in stack.planes]
     requests = [{"prompt": f"{tag} {i}", "max_new_tokens": tokens, "ignore_eos": True} for i in range(n)]
     cpu0, t0 = stack.cpu(), time.perf_counter()
@@ -108,12 +123,20 @@ def run_round(stack: ShardedStack, client: Client, n: int, tokens: int, tag: str
     for proc, _ in readers:
         proc.join(10)
     total = sum(cpu)
+    # each shard's CPU less its background over the round: what its part of the tokens cost. Saturated,
+    # a shard spends the rest of each second on its part, so the plane carries (1 s - its background) /
+    # its marginal CPU x the round's tokens a second, until the first shard is full
+    marginal = [max(c - b * wall / 1000, 1e-9) for c, b in zip(cpu, background, strict=True)]
     return {
         "tok_s": streamed / wall,
         "redis_cpu_ms_per_1000_tokens": 1e6 * total / streamed,
         "per_shard_cpu_ms_per_1000_tokens": [1e6 * c / streamed for c in cpu],
         "busiest_share": max(cpu) / total,
         "capacity_tok_s": streamed / max(cpu),
+        "marginal_cpu_ms_per_1000_tokens": 1e6 * sum(marginal) / streamed,
+        "saturated_capacity_tok_s": min(
+            streamed * (1 - b / 1000) / m for m, b in zip(marginal, background, strict=True)
+        ),
     }
 
 
@@ -129,6 +152,8 @@ def summary(rounds: list[dict]) -> dict:
         ],
         "busiest_share": round(med("busiest_share"), 3),
         "capacity_tok_s": round(med("capacity_tok_s")),
+        "marginal_cpu_ms_per_1000_tokens": round(med("marginal_cpu_ms_per_1000_tokens"), 2),
+        "saturated_capacity_tok_s": round(med("saturated_capacity_tok_s")),
         "measured_tok_s": round(med("tok_s"), 1),
         "rounds": [{k: v if isinstance(v, list) else round(v, 3) for k, v in r.items()} for r in rounds],
     }
@@ -142,6 +167,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=192, help="jobs per round")
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per job")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--idle-s", type=float, default=5.0, help="seconds each stack's idle background is measured")
     ap.add_argument("--appendfsync", default="everysec", choices=["everysec", "always"])
     args = ap.parse_args()
     counts = [int(x) for x in args.shards.split(",")]
@@ -155,18 +181,28 @@ def main() -> None:
             for s in stacks
         }
         for s in stacks:  # warm: the workers' first jobs out of the figures
-            run_round(s, clients[s.shards], 4 * args.workers, 8, f"s{s.shards}-warm")
+            run_round(s, clients[s.shards], 4 * args.workers, 8, f"s{s.shards}-warm", [0.0] * s.shards)
+        background = {s.shards: background_ms_per_s(s, args.idle_s) for s in stacks}
         rounds: dict[int, list[dict]] = {s.shards: [] for s in stacks}
         for r in range(args.rounds):
             for s in stacks if r % 2 == 0 else stacks[::-1]:
-                rounds[s.shards].append(run_round(s, clients[s.shards], args.jobs, args.tokens, f"s{s.shards}-{r}"))
-        results = {f"shards_{n}": summary(rounds[n]) for n in counts}
+                rounds[s.shards].append(
+                    run_round(s, clients[s.shards], args.jobs, args.tokens, f"s{s.shards}-{r}", background[s.shards])
+                )
+        results = {f"shards_{n}": summary(rounds[n]) | {"background_ms_per_s": background[n]} for n in counts}
         base = results[f"shards_{counts[0]}"]
         for n in counts:
             res = results[f"shards_{n}"]
             res["capacity_vs_first"] = round(res["capacity_tok_s"] / base["capacity_tok_s"], 2)
             res["cpu_per_token_vs_first"] = round(
                 res["redis_cpu_ms_per_1000_tokens"] / base["redis_cpu_ms_per_1000_tokens"], 3
+            )
+            res["background_ms_per_s"] = [round(b, 2) for b in res["background_ms_per_s"]]
+            res["saturated_capacity_vs_first"] = round(
+                res["saturated_capacity_tok_s"] / base["saturated_capacity_tok_s"], 2
+            )
+            res["marginal_cpu_per_token_vs_first"] = round(
+                res["marginal_cpu_ms_per_1000_tokens"] / base["marginal_cpu_ms_per_1000_tokens"], 3
             )
         out = {
             "bench": "shards",
