@@ -211,7 +211,8 @@ class QueueSettings(Group):
     affinity_backlog: int = Field(256, ge=0)
     # Bounded load: a worker's own queue takes a job while it holds fewer than (1 + AFFINITY_SLACK) x the
     # mean backlog of the workers that could take it (at least 16); past that the job goes to the next
-    # worker in its prefix's order, so hashing never piles work on one worker and moves only the excess
+    # worker in its prefix's order (a submission's jobs of one prefix together), so hashing never piles
+    # work on one worker and moves only the excess
     affinity_slack: float = Field(0.05, ge=0)
     # The prefix cache is per tenant (an API key's jobs only find their own prompts' blocks, and
     # cached_tokens says nothing of others'); on: all tenants share it (one trusted organisation).

@@ -65,6 +65,15 @@ class ShardedStack:
     def cpu(self) -> list[float]:
         return [redis_cpu_s(redis.Redis.from_url(p.url)) for p in self.planes]
 
+    def commands(self) -> dict[str, tuple[int, float]]:
+        """Calls and microseconds so far per command (INFO commandstats), summed over the shards."""
+        out: dict[str, tuple[int, float]] = {}
+        for p in self.planes:
+            for k, v in redis.Redis.from_url(p.url).info("commandstats").items():
+                calls, usec = out.get(k.removeprefix("cmdstat_"), (0, 0.0))
+                out[k.removeprefix("cmdstat_")] = (calls + int(v["calls"]), usec + float(v["usec"]))
+        return out
+
     def stop(self) -> None:
         for w in self.workers:
             w.kill()
@@ -109,7 +118,7 @@ def background_ms_per_s(stack: ShardedStack, seconds: float) -> list[float]:
 def run_round(stack: ShardedStack, client: Client, n: int, tokens: int, tag: str, background: list[float]) -> dict:
     readers = [start_follower(plane.url, None) for plane in stack.planes]
     requests = [{"prompt": f"{tag} {i}", "max_new_tokens": tokens, "ignore_eos": True} for i in range(n)]
-    cpu0, t0 = stack.cpu(), time.perf_counter()
+    cpu0, cmd0, t0 = stack.cpu(), stack.commands(), time.perf_counter()
     ids = [job.id for job in client.submit_many(requests)]  # the client draws each id (`TokenPlane.new_id`)
     for shard, (_, results) in enumerate(readers):
         results.send([j for j in ids if shard_of(j, stack.shards) == shard])
@@ -120,6 +129,11 @@ def run_round(stack: ShardedStack, client: Client, n: int, tokens: int, tag: str
         streamed += len(results.recv()[0])
     wall = time.perf_counter() - t0
     cpu = [b - a for a, b in zip(cpu0, stack.cpu(), strict=True)]
+    cmd1 = stack.commands()
+    commands = {
+        k: (1000 * (calls - cmd0.get(k, (0, 0))[0]) / streamed, 1000 * (usec - cmd0.get(k, (0, 0.0))[1]) / streamed)
+        for k, (calls, usec) in cmd1.items()
+    }
     for proc, _ in readers:
         proc.join(10)
     total = sum(cpu)
@@ -134,6 +148,7 @@ def run_round(stack: ShardedStack, client: Client, n: int, tokens: int, tag: str
         "busiest_share": max(cpu) / total,
         "capacity_tok_s": streamed / max(cpu),
         "marginal_cpu_ms_per_1000_tokens": 1e6 * sum(marginal) / streamed,
+        "commands": {k: v for k, v in commands.items() if v[0] > 0},
         "saturated_capacity_tok_s": min(
             streamed * (1 - b / 1000) / m for m, b in zip(marginal, background, strict=True)
         ),
@@ -155,7 +170,14 @@ def summary(rounds: list[dict]) -> dict:
         "marginal_cpu_ms_per_1000_tokens": round(med("marginal_cpu_ms_per_1000_tokens"), 2),
         "saturated_capacity_tok_s": round(med("saturated_capacity_tok_s")),
         "measured_tok_s": round(med("tok_s"), 1),
-        "rounds": [{k: v if isinstance(v, list) else round(v, 3) for k, v in r.items()} for r in rounds],
+        # calls and microseconds (wall, inside scripts counted again) per 1,000 tokens, all shards summed
+        "command_calls_and_us_per_1000_tokens": {
+            k: [round(statistics.median(r["commands"].get(k, (0, 0))[i] for r in rounds), 2) for i in (0, 1)]
+            for k in sorted({k for r in rounds for k in r["commands"]})
+        },
+        "rounds": [
+            {k: v if isinstance(v, list) else round(v, 3) for k, v in r.items() if k != "commands"} for r in rounds
+        ],
     }
 
 

@@ -5,9 +5,10 @@ Hashing alone spreads distinct prompts unevenly (192 jobs over three workers: 54
 busiest worker (and its token-plane shard) sets the pace. So the choice is a bounded-load rendezvous
 (consistent hashing with bounded loads, Mirrokni et al.): a worker takes a job while its backlog is
 under (1 + AFFINITY_SLACK) x the mean of the workers that could take it, this job counted, and never
-less than BALANCE_FLOOR; past that the job goes to the next worker in its key's order. Only the excess
-moves, always to the same second choice, so a prefix is cached on one worker, or on two when it is hot;
-and at a light load (a backlog under the floor) affinity is never traded for balance.
+less than BALANCE_FLOOR; past that the job goes to the next worker in its key's order. The jobs of one
+submission that share a prefix move together (a group goes where it fits whole, or stays with its
+prefix's worker when it fits nowhere), so a prefix is not split over two workers' caches; only the
+excess moves, and at a light load (a backlog under the floor) affinity is never traded for balance.
 
 The live workers come from their heartbeats (those that advertise an own queue on this QUEUE), read at
 most once a second. A job goes to the shared queue when no such worker is known, or when the chosen
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Sequence
 
 import redis
@@ -97,14 +99,21 @@ class Router:
         names = sorted(workers)
         backlog = dict(zip(names, waiting_counts(self.broker, [workers[n] for n in names]), strict=True))
         total = sum(backlog.values())
+        keys = [route_key(job, s.affinity_prefix_chars, s.prefix_cache_shared) for job in jobs]
+        group = Counter(keys)  # the jobs of this submission that share each prefix go together
+        placed: dict[bytes, str] = {}
         out = []
-        for job in jobs:
-            holders = [n for n in names if n in self._adapters.get(job.adapter, ())] if job.adapter else names
-            can = holders or names
-            held = total if len(can) == len(names) else sum(backlog[n] for n in can)
-            cap = max(BALANCE_FLOOR, math.ceil((1 + s.affinity_slack) * (held + 1) / len(can)))
-            order = rendezvous(route_key(job, s.affinity_prefix_chars, s.prefix_cache_shared), can)
-            best = next((n for n in order if backlog[n] < cap), order[0])  # one is: the least is under the mean
+        for job, key in zip(jobs, keys, strict=True):
+            best = placed.get(key)
+            if best is None:
+                holders = [n for n in names if n in self._adapters.get(job.adapter, ())] if job.adapter else names
+                can = holders or names
+                held = total if len(can) == len(names) else sum(backlog[n] for n in can)
+                size = group[key]
+                cap = max(BALANCE_FLOOR, math.ceil((1 + s.affinity_slack) * (held + size) / len(can)))
+                order = rendezvous(key, can)
+                # the first worker with room for the whole group; none: its prefix's worker (as hashing alone)
+                best = placed[key] = next((n for n in order if backlog[n] + size <= cap), order[0])
             if backlog[best] < s.affinity_backlog:
                 total += 1
                 backlog[best] += 1
