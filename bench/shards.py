@@ -28,6 +28,11 @@ its workers idle (background_ms_per_s per shard, before the rounds), and the per
 is taken out of each round (marginal_cpu_ms_per_1000_tokens); a shard at saturation spends its
 background and the rest of its core on tokens: saturated_capacity_tok_s = min over shards of (1 s - its
 background) / its marginal CPU per token, and saturated_capacity_vs_first its ratio to one shard's.
+A Redis' CPU per token also falls as it carries more (more commands per wakeup of its event loop), and
+here each of n shards carries a nth of what one does. So a control stack runs beside them (`control`:
+one shard with a nth of the workers and of the jobs, what each shard of the most carries):
+cpu_per_token_vs_control compares each stack's CPU per token with a single server's at that load, and
+command_calls_and_us_per_1000_tokens (every shard summed) shows what sharding adds per token in commands.
 """
 
 from __future__ import annotations
@@ -81,24 +86,24 @@ class ShardedStack:
             server.stop()
 
 
-def start_stack(shards: int, home: Path, args) -> ShardedStack:
+def start_stack(shards: int, home: Path, args, workers: int, jobs: int, tag: str) -> ShardedStack:
     fsync = {"appendfsync": args.appendfsync}
-    broker = EmbeddedRedis(home / f"s{shards}-broker", **fsync)
+    broker = EmbeddedRedis(home / f"{tag}-broker", **fsync)
     broker.start()
-    planes = [EmbeddedRedis(home / f"s{shards}-plane{n}", **fsync) for n in range(shards)]
+    planes = [EmbeddedRedis(home / f"{tag}-plane{n}", **fsync) for n in range(shards)]
     for p in planes:
         p.start()
     stack = ShardedStack(shards, broker, planes)
-    for i in range(args.workers):
+    for i in range(workers):
         stack.workers.append(
             WorkerProcess(
                 broker.url,
-                f"s{shards}w{i}@shards",
+                f"{tag}w{i}@shards",
                 home,
                 runner="simulated",
                 engine_process="off",
                 max_batch_weight=65536,
-                concurrency=args.jobs // args.workers + 16,
+                concurrency=jobs // workers + 16,
                 task_events=0,
                 streams_redis_url=stack.streams_redis_url,
             )
@@ -189,29 +194,37 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=192, help="jobs per round")
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per job")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-control", action="store_true", help="no one-shard stack at one shard's part of the load")
     ap.add_argument("--idle-s", type=float, default=5.0, help="seconds each stack's idle background is measured")
     ap.add_argument("--appendfsync", default="everysec", choices=["everysec", "always"])
     args = ap.parse_args()
     counts = [int(x) for x in args.shards.split(",")]
+    # the control: one shard carrying what each shard of the most carries (its share of the workers and
+    # jobs): a Redis's CPU per token falls as it serves more per wakeup, so this says what the load per
+    # server costs, apart from sharding (which adds no command per token: command_calls_and_us_per_1000_tokens)
+    per = max(counts)
+    control = (max(1, args.workers // per), max(1, args.jobs // per))
     home = Path(tempfile.mkdtemp(prefix="weightq-shards-"))
-    stacks: list[ShardedStack] = []
+    stacks: dict[str, tuple[ShardedStack, int]] = {}  # label -> the stack, its jobs per round
     try:
         for n in counts:
-            stacks.append(start_stack(n, home, args))
+            stacks[f"shards_{n}"] = (start_stack(n, home, args, args.workers, args.jobs, f"s{n}"), args.jobs)
+        if per > 1 and not args.no_control:
+            stacks["control"] = (start_stack(1, home, args, *control, "c1"), control[1])
         clients = {
-            s.shards: Client(settings=Settings(redis_url=s.broker.url, streams_redis_url=s.streams_redis_url))
-            for s in stacks
+            label: Client(settings=Settings(redis_url=s.broker.url, streams_redis_url=s.streams_redis_url))
+            for label, (s, _) in stacks.items()
         }
-        for s in stacks:  # warm: the workers' first jobs out of the figures
-            run_round(s, clients[s.shards], 4 * args.workers, 8, f"s{s.shards}-warm", [0.0] * s.shards)
-        background = {s.shards: background_ms_per_s(s, args.idle_s) for s in stacks}
-        rounds: dict[int, list[dict]] = {s.shards: [] for s in stacks}
+        for label, (s, _) in stacks.items():  # warm: the workers' first jobs out of the figures
+            run_round(s, clients[label], 4 * len(s.workers), 8, f"{label}-warm", [0.0] * s.shards)
+        background = {label: background_ms_per_s(s, args.idle_s) for label, (s, _) in stacks.items()}
+        rounds: dict[str, list[dict]] = {label: [] for label in stacks}
+        order = list(stacks)
         for r in range(args.rounds):
-            for s in stacks if r % 2 == 0 else stacks[::-1]:
-                rounds[s.shards].append(
-                    run_round(s, clients[s.shards], args.jobs, args.tokens, f"s{s.shards}-{r}", background[s.shards])
-                )
-        results = {f"shards_{n}": summary(rounds[n]) | {"background_ms_per_s": background[n]} for n in counts}
+            for label in order if r % 2 == 0 else order[::-1]:
+                s, jobs = stacks[label]
+                rounds[label].append(run_round(s, clients[label], jobs, args.tokens, f"{label}-{r}", background[label]))
+        results = {label: summary(rounds[label]) | {"background_ms_per_s": background[label]} for label in stacks}
         base = results[f"shards_{counts[0]}"]
         for n in counts:
             res = results[f"shards_{n}"]
@@ -219,13 +232,20 @@ def main() -> None:
             res["cpu_per_token_vs_first"] = round(
                 res["redis_cpu_ms_per_1000_tokens"] / base["redis_cpu_ms_per_1000_tokens"], 3
             )
-            res["background_ms_per_s"] = [round(b, 2) for b in res["background_ms_per_s"]]
             res["saturated_capacity_vs_first"] = round(
                 res["saturated_capacity_tok_s"] / base["saturated_capacity_tok_s"], 2
             )
             res["marginal_cpu_per_token_vs_first"] = round(
                 res["marginal_cpu_ms_per_1000_tokens"] / base["marginal_cpu_ms_per_1000_tokens"], 3
             )
+            if "control" in results:
+                res["cpu_per_token_vs_control"] = round(
+                    res["redis_cpu_ms_per_1000_tokens"] / results["control"]["redis_cpu_ms_per_1000_tokens"], 3
+                )
+        for res in results.values():
+            res["background_ms_per_s"] = [round(b, 2) for b in res["background_ms_per_s"]]
+        if "control" in results:
+            results["control"] = {"workers": control[0], "jobs_per_round": control[1], **results["control"]}
         out = {
             "bench": "shards",
             "runner": "simulated",
@@ -239,7 +259,7 @@ def main() -> None:
         }
         print(json.dumps(out, indent=None if args.json else 2))
     finally:
-        for s in stacks:
+        for s, _ in stacks.values():
             s.stop()
 
 
