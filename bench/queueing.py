@@ -17,7 +17,9 @@ was the flood's own, on the two cores the stack shares).
   sends one every 0.5 s. The light tenant's TTFT alone and beside the flood, through a gateway with fair
   staging (FAIR_QUEUE, the default) and one without (first come, first served), on the same workers;
   the flood's completions/s with each, and `machine_cpu_busy`: the share of the machine's cores in use
-  meanwhile (near 1.0 every stage of the stack, and the clients, wait for a core). Target: light TTFT
+  meanwhile (near 1.0 every stage of the stack, and the clients, wait for a core), and `cores_used`: who
+  used them (CPU seconds over the flood's wall seconds of the workers' main processes, their engine
+  processes, the gateway, Redis, the flooding client and this process, the light client). Target: light TTFT
   p99 <= max(2x solo, 0.5 s), throughput >= 0.95x of first come, first served.
 - workers: each worker's share of busy time while anything waited, and the seconds workers idled
   while a queue they take from held a job (`idle_queued_s`, sampled every 0.25 s).
@@ -42,6 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import redis
 from weightq.cli.processes import ROOT, GatewayProcess, WorkerProcess
 from weightq.cli.redis_server import EmbeddedRedis
@@ -200,35 +203,54 @@ class Batch:
 
 def flood(base: str, n: int, results) -> None:
     """n streaming completions from the flooding tenant at once (a process of its own, so that its
-    reading never delays the light tenant's clock); puts (seconds to finish all, failures)."""
+    reading never delays the light tenant's clock); puts (seconds to finish all, failures, its CPU
+    seconds from its first request: it has exited before the caller could read them)."""
 
-    async def run() -> tuple[float, int]:
+    async def run() -> tuple[float, int, float]:
         http = LeanHttp(base)
-        t0 = time.monotonic()
+        t0, cpu = time.monotonic(), time.process_time()
         body = {"_route": "/v1/completions", "model": "builtin:tiny", "stream": True, "max_tokens": 64}
         outs = await asyncio.gather(
             *(first_token(http, "flood-key", body | {"prompt": f"flood {i}: " + "go on " * 10}) for i in range(n))
         )
-        return time.monotonic() - t0, sum(o is None for o in outs)
+        return time.monotonic() - t0, sum(o is None for o in outs), time.process_time() - cpu
 
     results.put(asyncio.run(run()))
 
 
-def tenants(base: str, n: int, solo_s: float, r: redis.Redis) -> dict:
+def cores_used(before: dict, after: dict, wall_s: float) -> dict[str, float]:
+    """Cores each part of the stack used between two `cputime.snapshot`s: a worker's engine process is
+    its descendant ("worker<i>/<name>"), summed apart from the workers' main processes."""
+    spent: dict[str, float] = {}
+    for key, (label, t1) in after.items():
+        if key in before:
+            role = label.split("/")[0]
+            part = "workers_engine" if role.startswith("worker") and "/" in label else role.rstrip("0123456789")
+            part = "workers_main" if part == "worker" else part
+            spent[part] = spent.get(part, 0.0) + t1 - before[key][1]
+    return {k: round(v / wall_s, 3) for k, v in sorted(spent.items())}
+
+
+def tenants(base: str, n: int, solo_s: float, r: redis.Redis, roles: dict[str, int]) -> dict:
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     proc = ctx.Process(target=flood, args=(base, n, results))
-    cpu = cputime.machine()
     proc.start()
+    cpu, parts, me, t0 = cputime.machine(), cputime.snapshot(roles), psutil.Process(), time.monotonic()
+    mine = sum(me.cpu_times()[:2])
     time.sleep(1.0)  # the flood is queued
     light = asyncio.run(interactive(base, lambda: not proc.is_alive() or not results.empty()))
-    took, failed = results.get()
-    busy = cputime.machine_busy(cpu, cputime.machine())
+    took, failed, flood_cpu = results.get()
+    busy, wall = cputime.machine_busy(cpu, cputime.machine()), time.monotonic() - t0
+    used = cores_used(parts, cputime.snapshot(roles), wall)
+    used["flood_client"] = round(flood_cpu / wall, 3)
+    used["light_client"] = round((sum(me.cpu_times()[:2]) - mine) / wall, 3)
     proc.join()
     split = light_split(r)
     return {"light_ttft_p50_s": pct(light, 0.5), "light_ttft_p99_s": pct(light, 0.99), "light_requests": len(light),
             **split,
-            "flood_jobs_s": round(n / took, 2), "flood_failed": failed, "machine_cpu_busy": busy}  # fmt: skip
+            "flood_jobs_s": round(n / took, 2), "flood_failed": failed, "machine_cpu_busy": busy,
+            "cores_used": used}  # fmt: skip
 
 
 def worker_report(workers: list[WorkerProcess]) -> dict:
@@ -258,7 +280,8 @@ def cluster(n_workers: int, args) -> dict:
         if "batch" in args.scenarios:
             out["batch"] = web_beside_batch(url, home, fair, args)
         if "tenants" in args.scenarios:
-            out["tenants"] = two_tenants(url, fair, fifo, args)
+            roles = {f"worker{i}": w.proc.pid for i, w in enumerate(workers)} | {"redis": server.proc.pid}
+            out["tenants"] = two_tenants(url, fair, fifo, args, roles)
         out["workers_report"] = worker_report(workers)
         return out
     finally:
@@ -295,12 +318,12 @@ def web_beside_batch(url: str, home: Path, fair: GatewayProcess, args) -> dict:
     return out
 
 
-def two_tenants(url: str, fair: GatewayProcess, fifo: GatewayProcess, args) -> dict:
+def two_tenants(url: str, fair: GatewayProcess, fifo: GatewayProcess, args, roles: dict[str, int]) -> dict:
     light_solo = asyncio.run(interactive(fair.base, timed(args.seconds)))
     r = redis.Redis.from_url(url)
     SUBMITTED.clear()
-    with_fair = tenants(fair.base, args.flood, args.seconds, r)
-    with_fifo = tenants(fifo.base, args.flood, args.seconds, r)
+    with_fair = tenants(fair.base, args.flood, args.seconds, r, roles | {"gateway": fair.proc.pid})
+    with_fifo = tenants(fifo.base, args.flood, args.seconds, r, roles | {"gateway": fifo.proc.pid})
     target = max(2 * pct(light_solo, 0.99), 0.5)
     out = {
         "light_solo_p50_s": pct(light_solo, 0.5), "light_solo_p99_s": pct(light_solo, 0.99),
