@@ -93,6 +93,13 @@ def admits_without(batcher: Batcher, req: Request, chunk: int, ahead: int, limit
     return admits
 
 
+def with_slot(cap: int, running: int, admits: Callable[[set[str]], bool]) -> Callable[[set[str]], bool]:
+    """`admits`, and a running slot free under the cap (0: none) once these requests are preempted."""
+    if not cap:
+        return admits
+    return lambda ids: running - len(ids) < cap and admits(ids)
+
+
 @dataclass(slots=True)
 class Outcome:
     """What a walk did: the queue positions it started (none: the queue is idle until something
@@ -169,9 +176,14 @@ def admit(batcher: Batcher, now: float, plan: StepPlan, load: PrefillLoad) -> Ou
     background = cfg.class_preemption and any(-keys[r.id][0] < floor for r in running.values())  # rank, inline
     capped: set[str] = set()  # tenants that admit nothing more in this pass (their cap, a jump rule)
     blocked: dict[str, Request] = {}  # each tenant's first request that did not fit in this pass
+    cap = cfg.max_batch_size  # running requests (a worker's task threads), 0: the weight alone limits
+    slot = batcher.slot_weight
     for scanned, (idx, cand) in enumerate(candidates):
-        if cfg.max_batch_size and len(running) >= cfg.max_batch_size:
-            break
+        full = cap and len(running) >= cap
+        if full and not (fair and cfg.fair_preemption) and not (background and -keys[cand.id][0] >= floor):
+            break  # no one here may take another's slot
+        if fair and len(capped) >= len(tenants.requests):
+            break  # every tenant is done for this pass
         if cand.tenant in capped or (
             cfg.tenant_cap and fair and tenants.reserved[cand.tenant] >= cfg.tenant_cap * batcher.budget
         ):
@@ -221,32 +233,39 @@ def admit(batcher: Batcher, now: float, plan: StepPlan, load: PrefillLoad) -> Ou
             not dominated
             and fair
             and cfg.fair_preemption
-            and not batcher.fits(cand, chunk, ahead, limit, counted=False)
+            and (full or not batcher.fits(cand, chunk, ahead, limit, counted=False))
         ):
             victims = preemption.for_tenant(
                 cand,
                 batcher.projector.own_final(cand),
-                tenants.reserved,
+                tenants,
+                slot,
                 batcher.budget / len(tenants.requests),
                 running.values(),
                 batcher.projector.own_final,
                 cfg.max_preemptions,
                 batcher.step,
-                admits_without(batcher, cand, chunk, ahead, limit),
+                with_slot(cap, len(running), admits_without(batcher, cand, chunk, ahead, limit)),
             )
             if victims:
                 evict(batcher, victims, plan, out.evicted)
+        full = cap and len(running) >= cap
         if (
             background
             and not dominated
             and -keys[cand.id][0] >= floor
-            and not batcher.fits(cand, chunk, ahead, limit, counted=False)
+            and (full or not batcher.fits(cand, chunk, ahead, limit, counted=False))
         ):
-            victims = preemption.for_class(
-                running.values(), queue.rank, floor, batcher.step, admits_without(batcher, cand, chunk, ahead, limit)
-            )
+            admits = with_slot(cap, len(running), admits_without(batcher, cand, chunk, ahead, limit))
+            victims = preemption.for_class(running.values(), queue.rank, floor, batcher.step, admits)
             if victims:
                 evict(batcher, victims, plan, out.evicted)
+        if cap and len(running) >= cap:  # no slot was freed for it
+            paging.unlookup(cand)
+            if not fair:
+                break
+            capped.add(cand.tenant)
+            continue
         if dominated or not batcher.fits(cand, chunk, ahead, limit):
             paging.unlookup(cand)
             if not dominated and not hits and len(refused) < 16:

@@ -180,6 +180,7 @@ class Batcher(BatcherView):
         own = self.projector.start(req, chunk, ahead, self.step)
         self.committed += own
         self.tenants.reserved[req.tenant] += own
+        self.tenants.running[req.tenant] += 1
         self.budget -= self.adapters.acquire(req.adapter, self.step)  # a new slot for its adapter
         self.stats.prompt_tokens += req.context_len
         self.stats.cached_tokens += req.prefilled
@@ -229,6 +230,7 @@ class Batcher(BatcherView):
         own = self.projector.stop(req)
         self.committed -= own
         self.tenants.reserved[req.tenant] -= own
+        self.tenants.running[req.tenant] -= 1
         self.reservations.forget(req.id)
         self.adapters.release(req.adapter)
         self._recharge(self.paging.leave(req, self.projector.finish_of))

@@ -28,11 +28,18 @@ class TenantShares:
         self.counter: dict[str, float] = {}  # service received, in weight x steps
         self.requests: dict[str, int] = defaultdict(int)  # requests held per tenant (waiting + running)
         self.reserved: dict[str, int] = defaultdict(int)  # running requests' reserved weight per tenant
+        self.running: dict[str, int] = defaultdict(int)  # running requests per tenant
 
     @property
     def contended(self) -> bool:
         """More than one tenant holds requests: order and charges matter."""
         return len(self.requests) > 1
+
+    def use(self, tenant: str, slot_weight: float) -> float:
+        """What `tenant` holds of whichever resource binds, in weight: its running requests' reserved
+        weight, or their count in slots of `slot_weight` (the budget over the cap on running requests,
+        0 without one) where the count binds first. A tenant's share is judged by this."""
+        return max(self.reserved[tenant], self.running[tenant] * slot_weight)
 
     def arrive(self, tenant: str) -> None:
         """A request of `tenant` is submitted; a tenant back from idle starts at the active minimum."""

@@ -59,10 +59,11 @@ def mean_output(batcher: Batcher) -> float:
 @dataclass(frozen=True, slots=True)
 class Urgency:
     """What a worker needs of its batcher to take jobs beyond its room (app/worker/intake.py): urgent
-    jobs only while background work runs that they can preempt; jobs of a tenant outside
-    `heavy_tenants` (those holding at least an equal share of the budget were one more tenant to come),
-    whom fair preemption lets in; and only a few of either waiting at a time. Urgent: headroom_priority
-    or above."""
+        jobs only while background work runs that they can preempt; jobs of a tenant outside
+        `heavy_tenants` (those holding at least an equal share of the budget, or of the running slots under
+    a cap, were one more tenant to come),
+        whom fair preemption lets in; and only a few of either waiting at a time. Urgent: headroom_priority
+        or above."""
 
     urgent_waiting: int = 0  # requests of an urgent class waiting
     background_running: int = 0  # requests of a background class running
@@ -74,9 +75,11 @@ def urgency(batcher: Batcher) -> Urgency:
     """Safe to call from another thread: it copies the containers, never iterates them."""
     floor = batcher.config.headroom_priority
     waiting, running = list(batcher.waiting), tuple(batcher.running.values())
-    weights, tenants = dict(batcher.tenants.reserved), len(batcher.tenants.requests)
+    shares, slot = batcher.tenants, batcher.slot_weight
+    weights, counts, tenants = dict(shares.reserved), dict(shares.running), len(shares.requests)
     share = batcher.budget / (tenants + 1)
-    heavy = tuple(t for t, w in weights.items() if w and w >= share)
+    # a tenant's hold on whichever binds: its weight, or its running requests' slots under a count cap
+    heavy = tuple(t for t, w in weights.items() if w and max(w, counts.get(t, 0) * slot) >= share)
     urgent = [r for r in waiting if r.priority >= floor]
     return Urgency(
         len(urgent),

@@ -9,9 +9,10 @@ leaves (the blocks go to a holder that finishes no later, or are freed)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
+from .fairness import TenantShares
 from .request import DECODING, Request
 
 if TYPE_CHECKING:
@@ -55,7 +56,8 @@ def newest(running: Iterable[Request], key: Key, max_preemptions: int) -> Reques
 def for_tenant(
     cand: Request,
     cand_weight: int,
-    reserved: Mapping[str, int],
+    tenants: TenantShares,
+    slot_weight: float,
     share: float,
     running: Iterable[Request],
     own_weight: Callable[[Request], int],
@@ -64,11 +66,17 @@ def for_tenant(
     admits: Admits,
 ) -> list[Request] | None:
     """`cand`'s tenant holds less than its fair `share` of the budget (an equal share among the tenants
-    with requests) with `cand` (`cand_weight`): the newest requests of the tenants holding the most
-    (`reserved`), the fewest with which the projection admits `cand`, never leaving a victim's tenant
-    holding less than `cand`'s would (no swap between equals: two busy tenants never preempt each
-    other back and forth); or None, when no such set makes room."""
-    mine = reserved[cand.tenant] + cand_weight
+    with requests) with `cand` (`cand_weight`), counted in whichever resource binds (TenantShares.use:
+    reserved weight, or running requests in slots of `slot_weight`): the newest requests of the tenants
+    holding the most, the fewest with which `cand` is admitted, never leaving a victim's tenant holding
+    less than `cand`'s would (no swap between equals: two busy tenants never preempt each other back
+    and forth); or None, when no such set makes room."""
+    weights, counts = dict(tenants.reserved), dict(tenants.running)
+
+    def use(tenant: str, weight: int = 0, count: int = 0) -> float:
+        return max(weights.get(tenant, 0) + weight, (counts.get(tenant, 0) + count) * slot_weight)
+
+    mine = use(cand.tenant, cand_weight, 1)
     if mine > share:
         return None
     pool = [
@@ -76,14 +84,14 @@ def for_tenant(
         for r in running
         if r.tenant != cand.tenant and r.preemptions < max_preemptions and r.admitted_step < step and evictable(r)
     ]
-    pool.sort(key=lambda r: (reserved[r.tenant], r.admitted_step), reverse=True)
-    left = dict(reserved)
+    pool.sort(key=lambda r: (use(r.tenant), r.admitted_step), reverse=True)
 
     def spare(r: Request) -> bool:  # never leaves a victim's tenant holding less than cand's would
         own = own_weight(r)
-        if left[r.tenant] - own < mine:
+        if use(r.tenant, -own, -1) < mine:
             return False
-        left[r.tenant] -= own
+        weights[r.tenant] -= own
+        counts[r.tenant] -= 1
         return True
 
     return fewest(pool, spare, admits)

@@ -61,11 +61,22 @@ class BatcherView:
         """How many more requests of the typical size (recent admissions' reserved weight) would fit
         by the naive sum after everything already waiting (at its worst case) is admitted: what a
         worker may take from a shared queue without hoarding. Waiting work counts, not blocks:
-        requests held back only by the prefill cap start within a few steps."""
+        requests held back only by the prefill cap start within a few steps. Under a cap on running
+        requests (max_batch_size), never more than the cap leaves."""
         w = self.weight
         typical = self.projector.typical or w.seq(self.config.max_total_tokens)
         pending = sum(w.seq(r.max_total) for r in self.waiting)
-        return max(0, (self.budget - self.committed - self.paging.shared_weight - pending) // typical)
+        room = max(0, (self.budget - self.committed - self.paging.shared_weight - pending) // typical)
+        if cap := self.config.max_batch_size:
+            room = min(room, max(0, cap - len(self.running) - len(self.waiting)))
+        return room
+
+    @property
+    def slot_weight(self) -> float:
+        """The budget over the cap on running requests (0: no cap): one running request's part of the
+        batch where the count binds before the weight (TenantShares.use)."""
+        cap = self.config.max_batch_size
+        return self.budget / cap if cap else 0.0
 
     def projected_peak(self) -> int:
         return self.profile().peak() if self.running else 0
@@ -76,4 +87,8 @@ class BatcherView:
         self.profile()
         self.paging.check(running, self.batch_weight(), self.projector.finish_of)
         assert self.committed == sum(self.tenants.reserved.values()), "tenants' weights disagree with the committed"
+        counts: dict[str, int] = {}
+        for r in running:
+            counts[r.tenant] = counts.get(r.tenant, 0) + 1
+        assert {t: n for t, n in self.tenants.running.items() if n} == counts, "tenants' running counts disagree"
         assert all(r.status is not WAITING for r in running), "a running request marked waiting"

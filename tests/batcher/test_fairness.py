@@ -85,3 +85,66 @@ def test_a_tenant_at_its_share_keeps_its_own_order_when_a_preemption_frees_it():
     assert first["2"] <= first["4"], run.admitted  # a's own arrival order
     assert first["3"] == 1  # b still started as soon as it came
     assert len(run.finished) == 5
+
+
+def _count_bound(**kw) -> BatcherConfig:
+    """A budget with room for everyone: the cap on running requests (a worker's task threads) binds."""
+    return BatcherConfig(max_batch_weight=100_000, max_total_tokens=256, max_batch_size=8, mode="worst_case", **kw)
+
+
+def _capped(b: Batcher) -> None:
+    assert len(b.running) <= b.config.max_batch_size
+    b.check_memory()
+
+
+def test_a_light_tenant_takes_a_slot_from_a_flood_when_the_count_binds_not_the_weight():
+    flood = [Request(f"a{i}", 8, 120, arrival_s=0.0, tenant="a") for i in range(40)]
+    light = [Request(f"b{i}", 4, 4, arrival_s=1.0 + i, tenant="b") for i in range(5)]
+    run = drive(Batcher(_count_bound()), flood + light, on_step=_capped)
+    first = {}
+    for _step, now, rid in run.admitted:
+        first.setdefault(rid, now)
+    for r in light:  # each starts in the step it arrives in (dt 0.1 s), not after a wave of 120 tokens
+        assert first[r.id] - r.arrival_s <= 0.15, (r.id, first[r.id])
+    assert len(run.finished) == 45
+
+
+def test_an_urgent_class_takes_a_background_slot_when_the_count_binds():
+    batch = [Request(f"l{i}", 8, 120, arrival_s=0.0, priority=2) for i in range(30)]
+    chat = [Request(f"c{i}", 4, 4, arrival_s=0.5 + i, priority=5) for i in range(4)]
+    b = Batcher(_count_bound(fairness=False))
+    run = drive(b, batch + chat, on_step=_capped)
+    first = {rid: now for _, now, rid in reversed(run.admitted)}
+    assert all(first[c.id] - c.arrival_s <= 0.15 for c in chat), first
+    assert b.stats.preemptions >= len(chat)
+
+
+def test_without_a_reason_to_preempt_the_count_cap_holds_the_queue():
+    """One tenant, one class: a full batch preempts no one, and room_for says there is none."""
+    b = Batcher(_count_bound())
+    for i in range(12):
+        b.submit(Request(f"r{i}", 8, 50, arrival_s=0.0))
+    b.schedule(0.0)
+    assert len(b.running) == 8 and b.stats.preemptions == 0
+    assert b.room_for() == 0
+
+
+def test_room_for_counts_the_slots_the_cap_leaves():
+    b = Batcher(_count_bound())
+    assert b.room_for() == 8
+    for i in range(3):
+        b.submit(Request(f"r{i}", 8, 50, arrival_s=0.0))
+    assert b.room_for() == 5  # waiting requests take slots too
+    b.schedule(0.0)
+    assert b.room_for() == 5
+
+
+def test_a_flood_holding_the_slots_is_heavy_though_its_weight_is_small():
+    from weightq.batcher.outlook import urgency
+
+    b = Batcher(_count_bound())
+    for i in range(8):
+        b.submit(Request(f"a{i}", 8, 50, arrival_s=0.0, tenant="a"))
+    b.schedule(0.0)
+    assert b.committed < b.budget / 10  # the weight is far from binding
+    assert urgency(b).heavy_tenants == ("a",)
