@@ -156,8 +156,9 @@ class WorkerSettings(Group):
     """A worker's runtime: task threads and slots, leases and timeouts, crash recovery, shutdown."""
 
     concurrency: int = 128  # task threads per worker: the most requests one worker holds at once
-    # Task threads that background classes (priority < 5) may not take, so that an interactive job always
-    # finds one and reaches the engine, which preempts background work for it; 0: CONCURRENCY / 8
+    # Task threads held back for jobs that come to preempt (urgent ones beside background work, a light
+    # tenant's beside a flood): the batcher runs at most CONCURRENCY - INTERACTIVE_SLOTS requests, so it,
+    # not the threads, is what binds, and these reach it to preempt; 0: CONCURRENCY / 8
     interactive_slots: Annotated[int, Field(ge=0)] = 0
     visibility_timeout_s: int = 30  # a dead worker's jobs return to the queue after this
     lease_renew_s: float = 5.0  # a live worker re-stamps its in-flight messages this often (restamp_loop)

@@ -314,7 +314,7 @@ def make_batcher(
         return Batcher(
             BatcherConfig(
                 max_batch_weight=weight,
-                max_batch_size=cfg.max_batch_size,
+                max_batch_size=min((n for n in (cfg.max_batch_size, cfg.max_running) if n), default=0),
                 max_total_tokens=max_total,
                 max_prefill_weight=cfg.max_prefill_weight,
                 chunked_prefill=paged,

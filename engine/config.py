@@ -52,6 +52,10 @@ class EngineConfig:
     block_size: int = 0
     max_batch_weight: int | None = None
     max_batch_size: int = 0
+    # requests its host can hold running at once (a worker: its task threads less those kept for urgent
+    # and light jobs); the batcher's cap on running requests with max_batch_size, so that the batcher,
+    # which sees classes and tenants' shares, is what binds (0: no such limit)
+    max_running: int = 0
     max_total_tokens: int = 0
     max_input_length: int = 0
     max_prefill_weight: int = 2048

@@ -93,7 +93,10 @@ class EngineStep(bootsteps.StartStopStep):
         )
         publisher.metrics = EngineMetrics()
         config = engine_config(settings.served, settings.engine, settings.batcher)
-        config = replace(config, torch_threads=serving_threads(config))  # a core left to the serving path
+        # a core left to the serving path; the batcher runs no more than the task threads background work
+        # may hold, so that it (seeing classes and tenants) is what binds, and the rest reach it to preempt
+        running = settings.worker.concurrency - settings.worker.reserved_slots()
+        config = replace(config, torch_threads=serving_threads(config), max_running=running)
         engine: AnyEngine
         if own_process(settings.engine.engine_process, config):
             engine = EngineProcess(config, sink=publisher, on_death=_exit_worker)

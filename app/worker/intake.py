@@ -7,14 +7,16 @@ first come, first served:
   `_put`, tasks/queue_scripts.py: STAGE), ordered within a class by each tenant's start tag in weight
   units; this worker releases them into the lists Celery consumes (RELEASE) only as fast as its
   engine can start them: what it releases is what the batcher would pick next, whoever flooded.
-- **Slots held back for the urgent classes**: background jobs (priority < 5) may hold at most
-  CONCURRENCY - INTERACTIVE_SLOTS task threads, the urgent classes all of them, and the urgent
-  classes are taken even when the engine has no room (up to URGENT_LOOKAHEAD waiting in it): the
-  batcher then starts them in the budget's headroom, or preempts background work for them (batcher:
-  `preemption.for_class`). An interactive job never waits for a batch job to finish.
-- **A tenant below its share goes beyond the room too**: the next staged job of a tenant that holds
-  less than an equal share of the engine (Urgency.heavy_tenants) is taken when the engine is full, and
-  the batcher's fair preemption lets it in: a light tenant never waits for a flood to drain.
+- **The batcher is what binds**: it runs at most CONCURRENCY - INTERACTIVE_SLOTS requests (the
+  worker passes that as its cap on running requests), so the task threads never run out before it
+  does, and it is the batcher, which sees classes and tenants' shares, that decides who yields.
+- **Threads held back for jobs that come to preempt**: the INTERACTIVE_SLOTS reserved threads take,
+  a few at a time (URGENT_LOOKAHEAD), jobs of an urgent class while background work runs, and jobs of
+  a tenant below its share (in weight or in running requests: Urgency.heavy_tenants) while the
+  engine is full; the batcher then preempts background work (`preemption.for_class`) or the heaviest
+  tenant's newest requests (`preemption.for_tenant`) for them, within a step, whether KV or the count
+  of running requests binds. An interactive job never waits for a batch job to finish, nor a light
+  tenant for a flood to drain.
 - The consumer's prefetch follows the same count, so several workers on one queue share it and none
   hoards jobs it cannot start.
 """
@@ -100,28 +102,25 @@ class Intake:
         self._waiting = 0  # messages waiting in its lists at the last count
 
     def plan(self, room: int, running: int, taken: int, urgency: Urgency, exclusive: bool) -> tuple[int, int, int]:
-        """(jobs of any class to release, urgent ones besides, urgent ones of tenants below their share
-        beyond the engine's room): `room` typical jobs the engine could start now, `running` jobs in
-        the engine, `taken` messages not yet in it, `urgency` its batcher's (batcher.outlook.Urgency).
-        Urgent jobs take the task threads background work leaves (INTERACTIVE_SLOTS) when the engine
-        has room, and beyond the room a few at a time while background work runs that they can
-        preempt; so do jobs of a tenant below its share, for which the batcher preempts the heaviest
-        tenant's newest requests. A lookahead open to any job of the class it runs would fill with a
-        flood's jobs and keep the next tenant's out."""
+        """(jobs of any class to release within the engine's room, urgent ones beyond it, urgent ones of
+        tenants below their share beyond it): `room` typical jobs the engine could start now, `running`
+        jobs in the engine, `taken` messages not yet in it, `urgency` its batcher's
+        (batcher.outlook.Urgency). Within the room, jobs go in the staged order and hold at most
+        CONCURRENCY - INTERACTIVE_SLOTS threads, the most the batcher runs at once. The reserved threads
+        are for jobs that come to preempt: urgent ones while background work runs, and those of a tenant
+        below its share (in weight, or in running requests), for which the batcher preempts the heaviest
+        tenant's newest requests; a few at a time. A lookahead open to any job of the class it runs
+        would fill with a flood's jobs and keep the next tenant's out."""
         if exclusive:  # a job running alone (or waiting to) admits no other
             return 0, 0, 0
         threads = self.settings.worker.concurrency
         held = running + taken
         any_class = max(0, min(room, IN_PIPE, threads - self.reserve - running) - taken)
-        # the reserved threads are the urgent classes' alone: within the room, as many as the reserve held back
-        reserved = max(0, min(room, IN_PIPE, threads - running) - taken - any_class)
-        lookahead = max(0, min(threads - held, URGENT_LOOKAHEAD) - taken)
-        beyond = max(0, lookahead - urgency.urgent_waiting) if urgency.background_running else 0
-        urgent = min(reserved + beyond, max(0, threads - held - any_class))
+        lookahead = max(0, min(threads - held - any_class, URGENT_LOOKAHEAD) - taken)
+        urgent = max(0, lookahead - urgency.urgent_waiting) if urgency.background_running else 0
         # with no tenant at its share there is no light one: what the lookahead released then was the
         # flood's next jobs, put at the consuming end ahead of a light job released within the room
-        light = max(0, min(lookahead - urgency.light_waiting, threads - self.reserve - held))
-        light = light if urgency.heavy_tenants else 0
+        light = max(0, lookahead - urgency.light_waiting) if urgency.heavy_tenants else 0
         return any_class, urgent, light
 
     def tick(self, engine: AnyEngine, inflight: InFlight, consumer: Any) -> int | None:
@@ -149,11 +148,18 @@ class Intake:
             self.released += out.jobs
             self._waiting = out.waiting
             extra = min(out.waiting, urgent + light)
-        # background work may not take the reserved threads; urgent messages waiting may (out.waiting counts
-        # only those), within the room and up to the lookahead beyond it
-        base = min(s.worker.concurrency - self.reserve, running + room) if not exclusive else running
-        # jobs that left the engine still hold kombu's prefetch until their acks: not the room's
-        return max(1, min(s.worker.concurrency, base + extra) + finishing)
+        return self.prefetch(room, running, extra, finishing, exclusive)
+
+    def prefetch(self, room: int, running: int, extra: int, finishing: int, exclusive: bool) -> int:
+        """The messages the consumer may hold: what the engine holds (`running`) or, with room, up to
+        what background work may hold, plus `extra` urgent messages waiting in the lists for the
+        reserved threads (RELEASE counts only those: a background message never takes one), plus the
+        messages whose job left the engine and whose ack is still to come (`finishing`: they hold
+        kombu's prefetch, not the room). Never below what the worker holds, or messages released for
+        the reserved threads would stay in the lists while it holds more than background work may."""
+        threads = self.settings.worker.concurrency
+        base = running if exclusive else max(running, min(threads - self.reserve, running + room))
+        return max(1, min(threads, base + extra) + finishing)
 
 
 def _wake() -> None:

@@ -132,11 +132,19 @@ def test_background_work_leaves_slots_and_urgent_jobs_go_beyond_the_room(redis_u
     assert intake.plan(0, 40, 0, Urgency(3, 0, ("flood",), 3), False)[1:] == (0, 1)
     assert intake.plan(0, 40, 0, Urgency(), False)[1:] == (0, 0)  # no tenant at its share: none is light
     assert intake.plan(30, 0, 0, Urgency(), True) == (0, 0, 0)  # a job running alone admits no other
-    # the reserved threads are the urgent classes': with room in the engine, urgent jobs take them
-    assert intake.plan(30, 56, 0, bg, False)[:2] == (0, 8)
-    assert intake.plan(30, 60, 1, Urgency(), False)[:2] == (0, 3)
+    # the reserved threads are for jobs that come to preempt, a few at a time, never for more of the
+    # class that runs (the batcher runs at most 56: a flood of the default class must not fill them)
+    assert intake.plan(30, 56, 0, bg, False)[:2] == (0, 4)
+    assert intake.plan(30, 60, 1, Urgency(), False) == (0, 0, 0)
+    # the prefetch: what background work may hold with room; beyond it, what the engine holds plus the
+    # urgent messages waiting for the reserved threads (a held count over the cap must not swallow them)
+    assert intake.prefetch(30, 10, 0, 0, False) == 40
+    assert intake.prefetch(30, 50, 0, 2, False) == 58
+    assert intake.prefetch(0, 58, 3, 0, False) == 61
+    assert intake.prefetch(0, 63, 4, 0, False) == 64
     two = Intake(redis.Redis.from_url(redis_url), Settings(concurrency=2), "w@t")
-    assert two.reserve == 1 and two.plan(10, 1, 0, Urgency(), False) == (0, 1, 0)  # web traffic: both threads
+    assert two.reserve == 1 and two.plan(10, 1, 0, Urgency(), False) == (0, 0, 0)
+    assert two.plan(10, 1, 0, Urgency(background_running=1), False) == (0, 1, 0)  # an urgent job preempts
 
 
 def test_jobs_that_left_the_engine_hold_no_room_while_their_acks_wait():
