@@ -309,3 +309,14 @@ def test_a_request_that_breaks_the_forward_fails_alone(tiny_loaded, reference_mo
     assert by_id["bad"].reason == "error" and "poisoned input" in by_id["bad"].error
     assert_greedy_equal(reference_model, reqs, [by_id[r.id] for r in reqs])
     assert engine.batcher.ledger.used == 0 and not engine.batcher.running
+
+
+def test_a_hosts_running_limit_caps_the_batcher_with_max_batch_size():
+    """A worker's task threads (max_running) cap the running requests; with MAX_BATCH_SIZE the lower wins."""
+    from weightq.engine.builder import make_batcher
+
+    def cap(**kw) -> int:
+        return make_batcher(EngineConfig(**kw), 4096, 256, "test", block_size=16).config.max_batch_size
+
+    assert cap() == 0 and cap(max_running=112) == 112
+    assert cap(max_batch_size=8, max_running=112) == 8 and cap(max_batch_size=200, max_running=112) == 112
