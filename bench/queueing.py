@@ -1,7 +1,13 @@
-"""The queue's promises through the whole stack: interactive requests beside a `weightq batch`, a light
-tenant beside another's flood, on one, two and four workers.
+"""The queue's promises through the whole stack, swept over a matrix so that no one point can be tuned
+for: interactive requests beside a `weightq batch`, a light tenant beside another's flood.
 
-    python -m bench.queueing --json        # [--workers 1,2,4] [--lines 3000] [--flood 1000] [--seconds 20]
+    python -m bench.queueing --json   # [--workers 1,2] [--lengths 16,64,256,512] [--settings default,kv]
+
+Each cell is (settings, workers, job length): `default` is what `weightq up` starts (RUNNER=simulated and
+nothing else: the budget from memory, CONCURRENCY task threads, the default step cost), `kv` a small KV
+budget that binds first (MAX_BATCH_WEIGHT=8192, MAX_TOTAL_TOKENS=1024, a 20 ms step); the flood's jobs
+and the batch's lines ask for `length` tokens each, and there are enough of them to queue well past
+what the workers hold (`jobs_for`). The top-level `worst` gives each figure's worst cell: the README's.
 
 A real Redis, the HTTP gateway, `weightq batch` as a user runs it (default flags), and `weightq worker`s
 on the simulated device (RUNNER=simulated: a step of SIM_STEP_COST's time, the GIL free as during a GPU
@@ -10,10 +16,10 @@ streaming chat completions through the gateway, one every 0.5 s, 16 tokens; TTFT
 first token's SSE event. Every HTTP client is bench/lean_http.py's (httpx's CPU on a thousand streams
 was the flood's own, on the two cores the stack shares).
 
-- batch: interactive TTFT p50/p99 alone, then while a 3,000-line `weightq batch` (no flags: background)
-  runs; the batch's lines/s alone and with the interactive load. Target: TTFT p99 <= max(1.5x solo,
+- batch: interactive TTFT p50/p99 alone, then while a `weightq batch` (no flags: background) runs;
+  the batch's lines/s alone and with the interactive load. Target: TTFT p99 <= max(1.5x solo,
   0.5 s), batch >= 0.9x its solo lines/s.
-- tenants: two API keys in one class; one floods `--flood` streaming completions at once, the other
+- tenants: two API keys in one class; one floods streaming completions at once, the other
   sends one every 0.5 s. The light tenant's TTFT alone and beside the flood, through a gateway with fair
   staging (FAIR_QUEUE, the default) and one without (first come, first served), on the same workers;
   the flood's completions/s with each, and `machine_cpu_busy`: the share of the machine's cores in use
@@ -54,10 +60,29 @@ from . import cputime
 from .lean_http import LeanHttp
 
 STEP_S = 0.02
-WORKER = {
-    "runner": "simulated", "sim_step_cost": f"{STEP_S},2e-5,0", "max_batch_weight": 8192, "max_total_tokens": 512,
-    "prefix_cache": 0,
+SETTINGS = {
+    "default": {"runner": "simulated"},
+    "kv": {"runner": "simulated", "sim_step_cost": f"{STEP_S},2e-5,0", "max_batch_weight": 8192,
+           "max_total_tokens": 1024},
 }  # fmt: skip
+THREADS = 128  # CONCURRENCY's default: what one worker holds at most
+
+
+def slots(settings: str, length: int) -> int:
+    """About how many jobs of `length` tokens one worker runs at once in `settings` (to size a cell)."""
+    if settings == "kv":
+        return min(THREADS, 8192 // (length + 32))
+    return THREADS
+
+
+def jobs_for(settings: str, length: int, workers: int, at_least_tokens: int) -> int:
+    """Jobs in a flood or lines in a batch: three times what the workers hold at once, and at least
+    `at_least_tokens` tokens of work (a quarter of it where KV binds: a tenth of the tokens a step), at
+    most 3,000."""
+    at_least = at_least_tokens // 4 if settings == "kv" else at_least_tokens
+    return min(3000, max(3 * slots(settings, length) * workers, at_least // length))
+
+
 GATEWAY = {"rate_limit_per_s": 0, "max_concurrent_per_client": 0, "api_key": "light-key,flood-key"}
 INTERACTIVE_EVERY_S = 0.5
 
@@ -154,20 +179,20 @@ def shared_prompt(chars: int) -> str:
     return (text * (chars // len(text) + 1))[:chars]
 
 
-def write_lines(path: Path, n: int, shared: str = "") -> None:
+def write_lines(path: Path, n: int, length: int, shared: str = "") -> None:
     with open(path, "w") as f:
         for i in range(n):
             prompt = f"{shared}line {i}: summarise " + "the report " * 8
-            f.write(json.dumps({"id": f"l{i}", "prompt": prompt, "max_new_tokens": 64}))
+            f.write(json.dumps({"id": f"l{i}", "prompt": prompt, "max_new_tokens": length}))
             f.write("\n")
 
 
 class Batch:
     """`weightq batch IN OUT` in a subprocess, as a user runs it (no flags but the output format)."""
 
-    def __init__(self, url: str, home: Path, lines: int, tag: str, shared: str = "") -> None:
+    def __init__(self, url: str, home: Path, lines: int, length: int, tag: str, shared: str = "") -> None:
         self.input, self.output = home / f"{tag}.jsonl", home / f"{tag}.out.jsonl"
-        write_lines(self.input, lines, shared)
+        write_lines(self.input, lines, length, shared)
         self.lines = lines
         env = dict(os.environ, REDIS_URL=url, WEIGHTQ_HOME=str(home))
         self.t0 = time.monotonic()
@@ -201,7 +226,7 @@ class Batch:
         return round(self.lines / self.elapsed, 1)
 
 
-def flood(base: str, n: int, results) -> None:
+def flood(base: str, n: int, length: int, results) -> None:
     """n streaming completions from the flooding tenant at once (a process of its own, so that its
     reading never delays the light tenant's clock); puts (seconds to finish all, failures, its CPU
     seconds from its first request: it has exited before the caller could read them)."""
@@ -209,7 +234,7 @@ def flood(base: str, n: int, results) -> None:
     async def run() -> tuple[float, int, float]:
         http = LeanHttp(base)
         t0, cpu = time.monotonic(), time.process_time()
-        body = {"_route": "/v1/completions", "model": "builtin:tiny", "stream": True, "max_tokens": 64}
+        body = {"_route": "/v1/completions", "model": "builtin:tiny", "stream": True, "max_tokens": length}
         outs = await asyncio.gather(
             *(first_token(http, "flood-key", body | {"prompt": f"flood {i}: " + "go on " * 10}) for i in range(n))
         )
@@ -231,10 +256,10 @@ def cores_used(before: dict, after: dict, wall_s: float) -> dict[str, float]:
     return {k: round(v / wall_s, 3) for k, v in sorted(spent.items())}
 
 
-def tenants(base: str, n: int, solo_s: float, r: redis.Redis, roles: dict[str, int]) -> dict:
+def tenants(base: str, n: int, length: int, r: redis.Redis, roles: dict[str, int]) -> dict:
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    proc = ctx.Process(target=flood, args=(base, n, results))
+    proc = ctx.Process(target=flood, args=(base, n, length, results))
     proc.start()
     cpu, parts, me, t0 = cputime.machine(), cputime.snapshot(roles), psutil.Process(), time.monotonic()
     mine = sum(me.cpu_times()[:2])
@@ -262,11 +287,12 @@ def worker_report(workers: list[WorkerProcess]) -> dict:
     }
 
 
-def cluster(n_workers: int, args) -> dict:
-    home = Path(tempfile.mkdtemp(prefix=f"weightq-queueing-{n_workers}-"))
+def cluster(setting: str, n_workers: int, args) -> list[dict]:
+    """One stack of `setting` on `n_workers` workers; a cell for each job length."""
+    home = Path(tempfile.mkdtemp(prefix=f"weightq-queueing-{setting}-{n_workers}-"))
     server = EmbeddedRedis(home / "redis")
     url = server.start()
-    worker = WORKER | ({"prefix_cache": 1} if args.shared_prompt else {})
+    worker = SETTINGS[setting] | ({"prefix_cache": 1} if args.shared_prompt else {})
     workers = [WorkerProcess(url, f"q{i}@bench", home, **worker) for i in range(n_workers)]
     fair = GatewayProcess(url, home, **GATEWAY)
     fifo = GatewayProcess(url, home, fair_queue=0, **GATEWAY)
@@ -276,14 +302,21 @@ def cluster(n_workers: int, args) -> dict:
         fair.wait_ready()
         fifo.wait_ready()
         asyncio.run(interactive(fair.base, timed(2.0)))  # warm
-        out: dict = {"workers": n_workers}
-        if "batch" in args.scenarios:
-            out["batch"] = web_beside_batch(url, home, fair, args)
-        if "tenants" in args.scenarios:
-            roles = {f"worker{i}": w.proc.pid for i, w in enumerate(workers)} | {"redis": server.proc.pid}
-            out["tenants"] = two_tenants(url, fair, fifo, args, roles)
-        out["workers_report"] = worker_report(workers)
-        return out
+        solo = asyncio.run(interactive(fair.base, timed(args.seconds)))  # the light tenant's and chats' alone
+        roles = {f"worker{i}": w.proc.pid for i, w in enumerate(workers)} | {"redis": server.proc.pid}
+        cells = []
+        for length in (int(x) for x in args.lengths.split(",")):
+            if args.only and f"{setting}/{n_workers}/{length}" not in args.only.split(","):
+                continue
+            cell: dict = {"settings": setting, "workers": n_workers, "length": length}
+            if "batch" in args.scenarios:
+                cell["batch"] = web_beside_batch(url, home, fair, solo, setting, length, n_workers, args)
+            if "tenants" in args.scenarios:
+                cell["tenants"] = two_tenants(url, fair, fifo, solo, setting, length, n_workers, roles)
+            cell["workers_report"] = worker_report(workers)
+            cells.append(cell)
+            print(json.dumps(cell), file=sys.stderr, flush=True)
+        return cells
     finally:
         fair.stop()
         fifo.stop()
@@ -292,22 +325,24 @@ def cluster(n_workers: int, args) -> dict:
         server.stop()
 
 
-def web_beside_batch(url: str, home: Path, fair: GatewayProcess, args) -> dict:
-    solo = asyncio.run(interactive(fair.base, timed(args.seconds)))
+def web_beside_batch(
+    url: str, home: Path, fair: GatewayProcess, solo: list[float], setting: str, length: int, workers: int, args
+) -> dict:
+    lines = jobs_for(setting, length, workers, 192_000)
     shared = shared_prompt(args.shared_prompt) if args.shared_prompt else ""
-    alone = Batch(url, home, args.lines, "alone", shared)
+    alone = Batch(url, home, lines, length, f"alone{length}", shared)
     while not alone.done():
         time.sleep(0.2)
     batch_alone = alone.lines_s()
-    beside = Batch(url, home, args.lines, "beside", shared)
+    beside = Batch(url, home, lines, length, f"beside{length}", shared)
     time.sleep(1.0)  # the batch has filled the workers
     mixed = asyncio.run(interactive(fair.base, beside.done))
     batch_mixed = beside.lines_s()
     out = {
+        "lines": lines,
         "interactive_solo_p50_s": pct(solo, 0.5), "interactive_solo_p99_s": pct(solo, 0.99),
         "interactive_beside_batch_p50_s": pct(mixed, 0.5), "interactive_beside_batch_p99_s": pct(mixed, 0.99),
         "interactive_requests": len(mixed),
-        "ttft_p99_vs_solo": round(pct(mixed, 0.99) / max(pct(solo, 0.99), 1e-3), 2),
         "ttft_p99_target_s": round(max(1.5 * pct(solo, 0.99), 0.5), 3),
         "batch_lines_s_alone": batch_alone, "batch_lines_s_beside_interactive": batch_mixed,
         "batch_vs_alone": round(batch_mixed / batch_alone, 3),
@@ -318,17 +353,25 @@ def web_beside_batch(url: str, home: Path, fair: GatewayProcess, args) -> dict:
     return out
 
 
-def two_tenants(url: str, fair: GatewayProcess, fifo: GatewayProcess, args, roles: dict[str, int]) -> dict:
-    light_solo = asyncio.run(interactive(fair.base, timed(args.seconds)))
+def two_tenants(
+    url: str,
+    fair: GatewayProcess,
+    fifo: GatewayProcess,
+    solo: list[float],
+    setting: str,
+    length: int,
+    workers: int,
+    roles: dict[str, int],
+) -> dict:
+    n = min(1000, jobs_for(setting, length, workers, 64_000))
     r = redis.Redis.from_url(url)
     SUBMITTED.clear()
-    with_fair = tenants(fair.base, args.flood, args.seconds, r, roles | {"gateway": fair.proc.pid})
-    with_fifo = tenants(fifo.base, args.flood, args.seconds, r, roles | {"gateway": fifo.proc.pid})
-    target = max(2 * pct(light_solo, 0.99), 0.5)
+    with_fair = tenants(fair.base, n, length, r, roles | {"gateway": fair.proc.pid})
+    with_fifo = tenants(fifo.base, n, length, r, roles | {"gateway": fifo.proc.pid})
+    target = max(2 * pct(solo, 0.99), 0.5)
     out = {
-        "light_solo_p50_s": pct(light_solo, 0.5), "light_solo_p99_s": pct(light_solo, 0.99),
+        "flood": n, "light_solo_p50_s": pct(solo, 0.5), "light_solo_p99_s": pct(solo, 0.99),
         "fair": with_fair, "fifo": with_fifo,
-        "light_p99_vs_solo": round(with_fair["light_ttft_p99_s"] / max(pct(light_solo, 0.99), 1e-3), 2),
         "light_p99_target_s": round(target, 3),
         "throughput_fair_vs_fifo": round(with_fair["flood_jobs_s"] / with_fifo["flood_jobs_s"], 3),
     }  # fmt: skip
@@ -336,35 +379,56 @@ def two_tenants(url: str, fair: GatewayProcess, fifo: GatewayProcess, args, role
     return out
 
 
+def worst(cells: list[dict]) -> dict:
+    """Each target's worst cell: the figure and where (settings/workers/length)."""
+    picks = {
+        "interactive_beside_batch_p99_s": ("batch", lambda c: c["interactive_beside_batch_p99_s"], max),
+        "batch_vs_alone": ("batch", lambda c: c["batch_vs_alone"], min),
+        "light_ttft_p99_s": ("tenants", lambda c: c["fair"]["light_ttft_p99_s"], max),
+        "throughput_fair_vs_fifo": ("tenants", lambda c: c["throughput_fair_vs_fifo"], min),
+    }
+    out: dict = {}
+    for name, (scenario, get, pick) in picks.items():
+        have = [c for c in cells if scenario in c]
+        if have:
+            c = pick(have, key=lambda c: get(c[scenario]))
+            out[name] = {"value": get(c[scenario]), "cell": f"{c['settings']}/{c['workers']}w/{c['length']}"}
+    out["cells_within_targets"] = sum(
+        all(c[s]["within_targets"] for s in ("batch", "tenants") if s in c) for c in cells
+    )
+    out["cells"] = len(cells)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--workers", default="1,2,4")
-    ap.add_argument("--lines", type=int, default=3000)
-    ap.add_argument("--flood", type=int, default=1000)
-    ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--workers", default="1,2")
+    ap.add_argument("--lengths", default="16,64,256,512", help="tokens each flood job and batch line asks for")
+    ap.add_argument("--settings", default="default,kv", help=f"of {', '.join(SETTINGS)}")
+    ap.add_argument("--only", default="", help="cells to run, as settings/workers/length,... (default: all)")
+    ap.add_argument("--seconds", type=float, default=15.0, help="the interactive load alone")
     ap.add_argument("--scenarios", default="batch,tenants")
     ap.add_argument("--shared-prompt", type=int, default=0, help="characters of instruction every batch line shares")
     ap.add_argument("--chat-context", type=int, default=0, help="characters of conversation each chat carries")
     ap.add_argument("--chat-tokens", type=int, default=16, help="tokens each chat asks for")
     args = ap.parse_args()
     CHAT.update(context_chars=args.chat_context, max_tokens=args.chat_tokens)
-    runs = []
-    for n in (int(x) for x in args.workers.split(",")):
-        runs.append(cluster(n, args))
-        print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+    cells = []
+    for setting in args.settings.split(","):
+        for n in (int(x) for x in args.workers.split(",")):
+            if not args.only or any(c.startswith(f"{setting}/{n}/") for c in args.only.split(",")):
+                cells += cluster(setting, n, args)
     out = {
         "bench": "queueing",
         "runner": "simulated",
-        "sim_step_cost": WORKER["sim_step_cost"],
-        "max_batch_weight_each": WORKER["max_batch_weight"],
-        "lines": args.lines,
-        "flood": args.flood,
+        "settings": {k: SETTINGS[k] for k in args.settings.split(",")},
         "shared_prompt_chars": args.shared_prompt,
         "chat_context_chars": args.chat_context,
         "chat_tokens": args.chat_tokens,
         "prefix_cache": bool(args.shared_prompt),
-        "runs": runs,
+        "worst": worst(cells),
+        "cells": cells,
     }
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
 
