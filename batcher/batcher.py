@@ -179,8 +179,7 @@ class Batcher(BatcherView):
         self.running[req.id] = req
         own = self.projector.start(req, chunk, ahead, self.step)
         self.committed += own
-        self.tenants.reserved[req.tenant] += own
-        self.tenants.running[req.tenant] += 1
+        self.tenants.start(req.tenant, own)
         self.budget -= self.adapters.acquire(req.adapter, self.step)  # a new slot for its adapter
         self.stats.prompt_tokens += req.context_len
         self.stats.cached_tokens += req.prefilled
@@ -229,8 +228,7 @@ class Batcher(BatcherView):
         """`req` left the running set (finished, cancelled, preempted): its weight and pages are free."""
         own = self.projector.stop(req)
         self.committed -= own
-        self.tenants.reserved[req.tenant] -= own
-        self.tenants.running[req.tenant] -= 1
+        self.tenants.stop(req.tenant, own)
         self.reservations.forget(req.id)
         self.adapters.release(req.adapter)
         self._recharge(self.paging.leave(req, self.projector.finish_of))

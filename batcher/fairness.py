@@ -35,11 +35,22 @@ class TenantShares:
         """More than one tenant holds requests: order and charges matter."""
         return len(self.requests) > 1
 
-    def use(self, tenant: str, slot_weight: float) -> float:
-        """What `tenant` holds of whichever resource binds, in weight: its running requests' reserved
-        weight, or their count in slots of `slot_weight` (the budget over the cap on running requests,
-        0 without one) where the count binds first. A tenant's share is judged by this."""
-        return max(self.reserved[tenant], self.running[tenant] * slot_weight)
+    def use(self, tenant: str, slot_weight: float, weight: int = 0, count: int = 0) -> float:
+        """What `tenant` holds of whichever resource binds, in weight (with `weight` and `count` more):
+        its running requests' reserved weight, or their count in slots of `slot_weight` (the budget over
+        the cap on running requests, 0 without one) where the count binds first. A tenant's share is
+        judged by this. It reads without inserting: the worker's outlook calls it from another thread."""
+        return max(self.reserved.get(tenant, 0) + weight, (self.running.get(tenant, 0) + count) * slot_weight)
+
+    def start(self, tenant: str, weight: int) -> None:
+        """A request of `tenant` starts running, reserving `weight`."""
+        self.reserved[tenant] += weight
+        self.running[tenant] += 1
+
+    def stop(self, tenant: str, weight: int) -> None:
+        """A running request of `tenant` left the running set (finished, cancelled or preempted)."""
+        self.reserved[tenant] -= weight
+        self.running[tenant] -= 1
 
     def arrive(self, tenant: str) -> None:
         """A request of `tenant` is submitted; a tenant back from idle starts at the active minimum."""

@@ -76,10 +76,10 @@ def urgency(batcher: Batcher) -> Urgency:
     floor = batcher.config.headroom_priority
     waiting, running = list(batcher.waiting), tuple(batcher.running.values())
     shares, slot = batcher.tenants, batcher.slot_weight
-    weights, counts, tenants = dict(shares.reserved), dict(shares.running), len(shares.requests)
+    weights, tenants = dict(shares.reserved), len(shares.requests)
     share = batcher.budget / (tenants + 1)
     # a tenant's hold on whichever binds: its weight, or its running requests' slots under a count cap
-    heavy = tuple(t for t, w in weights.items() if w and max(w, counts.get(t, 0) * slot) >= share)
+    heavy = tuple(t for t, w in weights.items() if w and shares.use(t, slot) >= share)
     urgent = [r for r in waiting if r.priority >= floor]
     return Urgency(
         len(urgent),

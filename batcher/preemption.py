@@ -71,14 +71,14 @@ def for_tenant(
     holding the most, the fewest with which `cand` is admitted, never leaving a victim's tenant holding
     less than `cand`'s would (no swap between equals: two busy tenants never preempt each other back
     and forth); or None, when no such set makes room."""
-    weights, counts = dict(tenants.reserved), dict(tenants.running)
-
-    def use(tenant: str, weight: int = 0, count: int = 0) -> float:
-        return max(weights.get(tenant, 0) + weight, (counts.get(tenant, 0) + count) * slot_weight)
-
-    mine = use(cand.tenant, cand_weight, 1)
+    mine = tenants.use(cand.tenant, slot_weight, cand_weight, 1)
     if mine > share:
         return None
+    weights, counts = dict(tenants.reserved), dict(tenants.running)  # as the victims leave
+
+    def use(tenant: str, weight: int = 0, count: int = 0) -> float:  # TenantShares.use of what is left
+        return max(weights.get(tenant, 0) + weight, (counts.get(tenant, 0) + count) * slot_weight)
+
     pool = [
         r
         for r in running
