@@ -221,3 +221,21 @@ def test_an_urgent_job_reaches_the_engine_while_background_jobs_hold_every_slot_
     assert left > 32, "the urgent job waited for the background work to finish"
     for job in background:
         job.cancel()
+
+
+def test_a_light_tenants_job_takes_a_slot_when_task_threads_bind_not_kv(service):
+    """The budget holds hundreds, eight task threads hold seven running: the batcher's cap on running
+    requests binds, and a light tenant's job still starts at once by preempting the flood's newest."""
+    w = service.worker(concurrency=8, **SIM).wait_ready()
+    client: Client = service.client
+    flood = client.submit_many(
+        [{"prompt": f"flood {i}", "max_new_tokens": 400, "ignore_eos": True, "tenant": "flood"} for i in range(40)],
+        background=False,
+    )
+    w.wait_stats(lambda s: s.get("active_jobs", 0) >= 7)
+    light = client.submit("a light request", max_new_tokens=4, tenant="light")
+    assert light.result(timeout=60)["usage"]["completion_tokens"] == 4
+    done = sum(client.redis.hget(job_key(j.id), "state") == b"done" for j in flood)
+    assert done == 0, f"the light tenant's job waited for {done} of the flood's jobs to finish"
+    for job in flood:
+        job.cancel()
