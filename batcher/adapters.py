@@ -30,6 +30,12 @@ class AdapterSlots:
     gone: set[str] = field(default_factory=set)  # unloaded while in use: its slot is freed at its last release
     loads: list[tuple[str, int]] = field(default_factory=list)  # (adapter, slot) placed since the engine looked
 
+    @classmethod
+    def sized(cls, slot_weight: int, room: int) -> AdapterSlots:
+        """Slots of `slot_weight` each (0: adapters are not served), as many as fit in `room` (the budget
+        less one request of max_total_tokens, so that none waits forever)."""
+        return cls(slot_weight, room // slot_weight if slot_weight else 0)
+
     def check(self, adapter: str) -> None:
         """Refuse a request whose adapter could never hold a slot."""
         if not self.max_capacity:

@@ -150,14 +150,16 @@ class BlockLedger:
     def release(self, table: list[int]) -> None:
         """Drop `table`'s references (a block table, or a ring). Its last blocks are released first, so
         they are evicted first: a prefix's first blocks are the most shared and stay cached longest."""
+        ref, key_of, free, idle = self._ref, self._key_of, self._free, self._idle  # hoisted: every finish runs this
         for page in reversed(table):
-            self._ref[page] -= 1
-            if self._ref[page] == 0:
-                key = self._key_of.get(page)
+            left = ref[page] - 1
+            ref[page] = left
+            if not left:
+                key = key_of.get(page)
                 if key is None:
-                    self._free.append(page)
+                    free.append(page)
                 else:
-                    self._idle[key] = None
+                    idle[key] = None
         table.clear()
 
     def drop_cache(self) -> int:

@@ -52,6 +52,15 @@ class TenantShares:
         self.reserved[tenant] -= weight
         self.running[tenant] -= 1
 
+    def shift(self, tenant: str, weight: int) -> None:
+        """A running request of `tenant` reserves `weight` more (less, when negative): its reservation
+        grew, or some of its blocks became cached blocks, charged apart."""
+        self.reserved[tenant] += weight
+
+    def serve(self, tenant: str, weight: float) -> None:
+        """`tenant` received `weight` of service at once (a prompt admitted)."""
+        self.counter[tenant] += weight
+
     def arrive(self, tenant: str) -> None:
         """A request of `tenant` is submitted; a tenant back from idle starts at the active minimum."""
         if tenant not in self.requests:

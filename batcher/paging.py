@@ -16,6 +16,7 @@ projected finish) is read, never changed.
 from __future__ import annotations
 
 from collections.abc import Callable, Set
+from dataclasses import dataclass, field
 
 from .blocks import BlockLedger
 from .plan import StepPlan
@@ -25,6 +26,20 @@ from .weight import PaddedWeight, TokenWeight
 
 FinishOf = Callable[[str], int]
 NONE_CACHED: tuple[int, frozenset[str]] = (0, frozenset())  # allocate()'s usual answer, not rebuilt per call
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """A prefix-cache hit: its leading `blocks` (`tokens` of context) are cached; with window kinds, the
+    (window kind, block, pages) copies its ring needs and how many `pages` they are."""
+
+    blocks: int = 0
+    tokens: int = 0
+    copies: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    pages: int = 0
+
+
+NO_HIT = Hit()
 
 
 def snap_key(key: bytes, kind: int, column: int) -> bytes:
@@ -86,10 +101,15 @@ class Paging:
                     ledger.grow_ring(ring, tokens, pages, units)  # type: ignore[union-attr]
 
     def hold(self, req: Request, finish_of: FinishOf) -> set[str]:
-        """An admitted request takes the cached blocks its hit found (charged once, to their anchor);
-        returns the holders whose charge changed."""
+        """An admitted request takes the cached blocks its hit found (charged once, to their anchor) and
+        pins the window copies it will copy (until the step runs); returns the holders whose charge changed."""
         keys = req.prefix[: req.shared_blocks]
-        self.ledger.hold(req.block_table, keys)  # type: ignore[union-attr]
+        ledger = self.ledger
+        assert ledger is not None
+        ledger.hold(req.block_table, keys)
+        for _w, _j, found in req.ring_copies:
+            ledger.pin(found)
+            self.pinned_pages += len(found)
         return self.shared.join(req.id, keys, finish_of)
 
     def leave(self, req: Request, finish_of: FinishOf) -> set[str]:
@@ -113,23 +133,25 @@ class Paging:
         return self.shared.refinish(request_id, old, finish_of) | {request_id}
 
     # ----- the prefix cache --------------------------------------------------------------------------
-    def lookup(self, req: Request) -> int:
-        """A waiting request's prompt blocks found in the cache: they become its first blocks, and its
-        prefill starts after them (at least one token is always computed, for its logits). With window
-        kinds, a hit at block h also needs each window's blocks before h (their KV, kept as copies when
-        they were written): the hit is the longest prefix that has them, and they are copied into the
-        request's ring before its first chunk (pinned until then)."""
+    def lookup(self, req: Request) -> Hit:
+        """A waiting request's prompt blocks found in the cache (a question: nothing is held or pinned
+        until it starts, `hold`). They would be its first blocks, its prefill starting after them (at
+        least one token is always computed, for its logits). With window kinds, a hit at block h also
+        needs each window's blocks before h (their KV, kept as copies when they were written): the hit
+        is the longest prefix that has them, and they are copied into the request's ring before its
+        first chunk."""
         ledger = self.ledger
         if ledger is None or not ledger.caching or not req.prefix:
-            return 0
+            return NO_HIT
         hits = ledger.hits(req.prefix, (req.context_len - 1) // ledger.block_size)
-        if hits and self.weight.windows:
-            hits = self._window_hits(req, hits)
-        req.shared_blocks, req.prefilled = hits, hits * ledger.block_size
-        return hits
+        if not hits:
+            return NO_HIT
+        if not self.weight.windows:
+            return Hit(hits, hits * ledger.block_size)
+        return self._window_hit(req, hits)
 
-    def _window_hits(self, req: Request, hits: int) -> int:
-        """The longest hit of at most `hits` blocks whose windows' blocks are cached too; pins them."""
+    def _window_hit(self, req: Request, hits: int) -> Hit:
+        """The longest hit of at most `hits` blocks whose windows' blocks are cached too."""
         ledger, bs = self.ledger, self.weight.block_size
         assert ledger is not None
         for h in range(hits, 0, -1):
@@ -145,24 +167,8 @@ class Paging:
                     continue
                 break
             else:
-                req.ring_copies = fill
-                for _w, _j, found in fill:
-                    ledger.pin(found)
-                self.pinned_pages += sum(len(f) for _w, _j, f in fill)
-                return h
-        return 0
-
-    def unlookup(self, req: Request) -> None:
-        """A candidate was not admitted: forget its hit and unpin what it would have copied."""
-        req.shared_blocks = req.prefilled = 0
-        if req.ring_copies:
-            self._unpin(req)
-
-    def _unpin(self, req: Request) -> None:
-        for _w, _j, found in req.ring_copies:
-            self.ledger.settle(found, None)  # type: ignore[union-attr]
-            self.pinned_pages -= len(found)
-        req.ring_copies = []
+                return Hit(h, h * bs, fill, sum(len(f) for _w, _j, f in fill))
+        return NO_HIT
 
     def take_snapshots(self, plan: StepPlan) -> None:
         """Spare pages for copies of the window blocks this step's prompt chunks complete (registered
@@ -191,8 +197,10 @@ class Paging:
                 keys = [snap_key(req.prefix[j], w, g) for g in range(len(spare))] if kept else None
                 ledger.settle(spare, keys)  # type: ignore[union-attr]
             req.window_snapshots = []
-            if req.ring_copies:
-                self._unpin(req)
+            for _w, _j, found in req.ring_copies:
+                ledger.settle(found, None)  # type: ignore[union-attr]
+                self.pinned_pages -= len(found)
+            req.ring_copies = []
 
     def check(self, running: list[Request], batch_weight: int, finish_of: FinishOf) -> None:
         """Invariants (tests): the ledger agrees with the block tables, each cached block held is

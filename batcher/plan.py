@@ -3,6 +3,7 @@ counters (BatcherStats)."""
 
 from __future__ import annotations
 
+from collections.abc import Set
 from dataclasses import dataclass, field
 
 from .request import Request
@@ -37,6 +38,9 @@ class PrefillLoad:
     chunks: int = 0
     longest_tokens: int = 0
     tokens: int = 0
+    # (request, blocks, holders): blocks of a chunk's prompt that joined the prefix cache, and the holders
+    # whose charge changed (Paging.allocate): the Batcher applies them
+    cached: list[tuple[Request, int, Set[str]]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

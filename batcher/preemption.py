@@ -1,8 +1,8 @@
 """Whom to send back to the queue: predictive mode's regrowth, room for a tenant below its share
 (TenantShares), and room for an urgent class over background work.
 
-These functions choose; they change nothing but through the Batcher's own methods (grow_reservation,
-preempt: a preempted request keeps its tokens and is prefilled again). A decoding victim may hold
+These functions choose from the values the Batcher passes and change nothing; the Batcher preempts
+whom they return (a preempted request keeps its tokens and is prefilled again). A decoding victim may hold
 cached blocks (a batch's shared system prompt): the check of a set of victims (`admits`) keeps the blocks
 they are charged with where they are, at their finish, which is never less than what preempting them
 leaves (the blocks go to a holder that finishes no later, or are freed)."""
@@ -10,13 +10,9 @@ leaves (the blocks go to a holder that finishes no later, or are freed)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 from .fairness import TenantShares
 from .request import DECODING, Request
-
-if TYPE_CHECKING:
-    from .batcher import Batcher
 
 # Predictive mode: while recomputed (preempted) tokens stay under this share of the generated ones, a
 # preemption leaves the estimator's margin alone; past it, every preemption widens the margin.
@@ -24,26 +20,6 @@ PREEMPT_SHARE = 0.02
 
 Key = Callable[[Request], tuple]
 Admits = Callable[[set[str]], bool]  # would the candidate fit with these requests preempted?
-
-
-def regrow(batcher: Batcher) -> list[Request]:
-    """Predictive mode: extend reservations that ran out, then, if the next step's growth would not
-    fit in the budget, preempt the newest requests until it does. The budget is never exceeded.
-
-    A projection that overflows after a reservation grows stops admission, but preempts nothing:
-    reservations are estimates, and most running requests finish well inside theirs."""
-    for req in batcher.running.values():
-        if req.status is DECODING and req.generated >= req.reserved_new:
-            batcher.grow_reservation(req)
-    preempted: list[Request] = []
-    while batcher.running and batcher.weight_with(1) > batcher.budget:
-        preempted.append(
-            batcher.preempt(newest(batcher.running.values(), batcher.queue.key, batcher.config.max_preemptions))
-        )
-    st, est = batcher.stats, batcher.estimator
-    if preempted and est is not None and st.preempted_tokens > PREEMPT_SHARE * st.generated_tokens:
-        est.tighten()
-    return preempted
 
 
 def newest(running: Iterable[Request], key: Key, max_preemptions: int) -> Request:

@@ -4,7 +4,7 @@ the weight they hold."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Set
+from collections.abc import Iterable, Set
 
 from .paging import FinishOf, Paging
 from .plan import PrefillLoad, StepPlan
@@ -22,16 +22,12 @@ def weight_with(running: Iterable[Request], w: TokenWeight | PaddedWeight, share
 
 
 def plan_running(
-    running: Iterable[Request],
-    cap: int,
-    paging: Paging,
-    finish_of: FinishOf,
-    cached: Callable[[Request, int, Set[str]], None],
-    plan: StepPlan,
+    running: Iterable[Request], cap: int, paging: Paging, finish_of: FinishOf, plan: StepPlan
 ) -> PrefillLoad:
     """Fill `plan` with the running requests' work and grow their pages for it; returns the prompt load
-    planned so far. A prompt chunk's full blocks may join the prefix cache: `cached` applies that."""
+    planned so far, with the blocks of prompt chunks that joined the prefix cache (for the Batcher to apply)."""
     chunks = longest = tokens = 0
+    cached: list[tuple[Request, int, Set[str]]] = []
     ledger, weight = paging.ledger, paging.weight
     span = ledger.block_size if ledger is not None else 0
     uniform = weight.name != "token" or weight.uniform
@@ -59,5 +55,5 @@ def plan_running(
             chunks, longest, tokens = chunks + 1, max(longest, n), tokens + n
             blocks, holders = paging.allocate(req, req.prefilled + n, finish_of)
             if blocks:
-                cached(req, blocks, holders)
-    return PrefillLoad(chunks, longest, tokens)
+                cached.append((req, blocks, holders))
+    return PrefillLoad(chunks, longest, tokens, cached)

@@ -108,7 +108,7 @@ def nested_schema(levels: int) -> str:
 
 
 def grammar_compile(engine: Engine) -> dict:
-    from weightq.engine.sampling.grammar import _xgr
+    from weightq.engine.sampling.grammar_spec import xgrammar as _xgr
 
     xgr = _xgr()
     info = xgr.TokenizerInfo.from_huggingface(engine.tokenizer, vocab_size=engine.logits_width)

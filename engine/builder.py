@@ -148,12 +148,20 @@ def build(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
     lora = Resident(lm.model, cfg.max_lora_rank) if adapters or cfg.enable_lora else None
     compiled = wants_compile(cfg.compile, lm.device, backend)
     runner = ModelRunner(lm.model, cache, backend, lm.device, compiled=compiled, lora=lora)
+    # one adapter slot's memory in weight units (tokens of the whole model's KV), out of the budget when taken
+    slot_weight = math.ceil(lora.slot_bytes / (layout.page_bytes / layout.block_size)) if lora is not None else 0
     batcher = make_batcher(
-        cfg, pages * layout.block_size, max_total, f"KV cache: {why}", block_size=layout.block_size, layout=layout
+        cfg,
+        pages * layout.block_size,
+        max_total,
+        f"KV cache: {why}",
+        block_size=layout.block_size,
+        layout=layout,
+        adapter_slot_weight=slot_weight,
     )
     runner.ledger = batcher.ledger
     if lora is not None:
-        load_adapters(cfg, lm, lora, adapters, batcher, layout.page_bytes / layout.block_size)
+        load_adapters(cfg, lm, lora, adapters, batcher)
     return EngineParts(backend, lm, runner, batcher, why, max_input)
 
 
@@ -165,12 +173,10 @@ def parse_lora(spec: str) -> dict[str, str]:
 
 
 def load_adapters(
-    cfg: EngineConfig, lm: LoadedModel, lora: Resident, adapters: dict[str, str], batcher: Batcher, unit_bytes: float
+    cfg: EngineConfig, lm: LoadedModel, lora: Resident, adapters: dict[str, str], batcher: Batcher
 ) -> None:
-    """Read the configured adapters (kept on the host until a request needs a slot) and size the
-    batcher's adapter slots: each takes `slot_bytes` in weight units (tokens of the whole model's KV)
-    out of the budget when it is allocated, and as many may be as leave room for one request of
-    max_total_tokens."""
+    """Read the configured adapters (kept on the host until a request needs a slot); refuse a batcher
+    whose budget leaves no adapter slot beside one request of max_total_tokens."""
     dtype = next(lm.model.parameters()).dtype
     for name, path in adapters.items():
         try:
@@ -179,8 +185,6 @@ def load_adapters(
             raise ConfigError(str(e)) from None
         log.info("LoRA adapter %s (rank %d) from %s", name, lora.host[name].rank, path)
     slots = batcher.adapters
-    slots.slot_weight = math.ceil(lora.slot_bytes / unit_bytes)
-    slots.max_capacity = (batcher.budget - batcher.weight.seq(batcher.config.max_total_tokens)) // slots.slot_weight
     if not slots.max_capacity:
         raise ConfigError(
             f"lora: one adapter slot (rank {lora.rank}: {lora.slot_bytes} B, {slots.slot_weight} tokens of KV) and "
@@ -303,7 +307,14 @@ def _build_padded(cfg: EngineConfig, lm: LoadedModel, max_total: int, max_input:
 
 
 def make_batcher(
-    cfg: EngineConfig, weight: int, max_total: int, why: str, *, block_size: int = 0, layout: KVLayout | None = None
+    cfg: EngineConfig,
+    weight: int,
+    max_total: int,
+    why: str,
+    *,
+    block_size: int = 0,
+    layout: KVLayout | None = None,
+    adapter_slot_weight: int = 0,
 ) -> Batcher:
     """The one place an EngineConfig becomes a BatcherConfig: the paged runner's token weight
     (`block_size` > 0; chunked prefill; mode "auto" is predictive) or the padded runner's (whole
@@ -330,7 +341,8 @@ def make_batcher(
                 headroom_priority=DEFAULT_PRIORITY,
                 kinds=layout.weight_kinds() if layout is not None else ((1, 0),),
                 windows=tuple(k.window for k in layout.windows) if layout is not None else (),  # type: ignore[misc]
-            )
+            ),
+            adapter_slot_weight=adapter_slot_weight,
         )
     except ConfigError as e:
         raise ConfigError(f"{e} ({why})") from e

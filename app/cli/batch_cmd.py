@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from weightq.client import Client
-from weightq.client.batch import BatchChanged, run_batch
+from weightq.client.batch import BatchChanged, format_summary, run_batch
 from weightq.gateway.openai_batch import OpenAIBatchLines
 from weightq.metrics import read_live_workers
 from weightq.redis_conn import redacted
@@ -177,12 +177,3 @@ def local_worker(url: str, settings: Settings) -> Iterator[None]:
             worker.stop()
         finally:
             worker.kill()
-
-
-def format_summary(s: dict) -> str:
-    lat = "n/a" if s["latency_p50_s"] is None else f"p50 {s['latency_p50_s']:.2f} s, p99 {s['latency_p99_s']:.2f} s"
-    return (
-        f"{s['requests']} requests: {s['completed']} completed, {s['failed']} failed, {s['skipped']} skipped "
-        f"(already done); {s['completion_tokens']} tokens in {s['elapsed_s']:.1f} s = {s['tokens_per_s']:.0f} tok/s; "
-        f"latency {lat}"
-    )

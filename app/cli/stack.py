@@ -261,9 +261,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from weightq.client import Client
-    from weightq.client.batch import run_batch
+    from weightq.client.batch import format_summary, run_batch
 
-    from .batch_cmd import format_summary
     from .redis_server import free_port
 
     require_worker_extra("demo")

@@ -300,3 +300,13 @@ def _stop_signals_set(stop: threading.Event):
     finally:
         for sig, was in previous.items():
             signal.signal(sig, was)
+
+
+def format_summary(s: dict) -> str:
+    """run_batch's summary as one line for a terminal."""
+    lat = "n/a" if s["latency_p50_s"] is None else f"p50 {s['latency_p50_s']:.2f} s, p99 {s['latency_p99_s']:.2f} s"
+    return (
+        f"{s['requests']} requests: {s['completed']} completed, {s['failed']} failed, {s['skipped']} skipped "
+        f"(already done); {s['completion_tokens']} tokens in {s['elapsed_s']:.1f} s = {s['tokens_per_s']:.0f} tok/s; "
+        f"latency {lat}"
+    )

@@ -14,12 +14,18 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from weightq.tasks.contract import EntryType, JobFailed, Replay, outcome
 
-if TYPE_CHECKING:
-    from .jobs import Job
+
+class Job(Protocol):
+    """What sse() reads of a job (client.jobs.Job): its stream's events, and a way to cancel it."""
+
+    def events(self, timeout: float | None = None) -> Iterator[Any]: ...
+
+    def cancel(self) -> Any: ...
+
 
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy holds the events back
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable
 from itertools import repeat
-from operator import add, floordiv
+from operator import add, floordiv, sub
 
 from .entry import Entry, finish_of
 
@@ -115,10 +115,8 @@ class TokenProfile:
             blocks[:j] = [x + w for x in blocks[:j]]
             return
         c = e.offset + bs - 1  # blocks held at step p: ceil((offset + p) / bs) = (c + p) // bs
-        if sign > 0:
-            blocks[:j] = [x + (c + p) // bs for x, p in zip(blocks[:j], self.points[:j], strict=True)]
-        else:
-            blocks[:j] = [x - (c + p) // bs for x, p in zip(blocks[:j], self.points[:j], strict=True)]
+        held = map(floordiv, map(add, self.points[:j], repeat(c)), repeat(bs))  # map chains: in C, not bytecode
+        blocks[:j] = map(add if sign > 0 else sub, blocks[:j], held)
 
     def _finishes_at(self, step: int) -> bool:
         return any(bisect_right(fin, step) > bisect_left(fin, step) for fin in (self._grow_finish, self._const_finish))
@@ -199,7 +197,8 @@ class TokenProfile:
             return True
         if not c.growing:
             return False
-        return all(x + self._cand_at(c, p) <= cap for x, p in zip(blocks, self.points[:j], strict=True))
+        held = map(floordiv, map(add, self.points[:j], repeat(c.offset + self.block - 1)), repeat(self.block))
+        return max(map(add, blocks, held), default=0) <= cap
 
     def _final_of(self, c: Entry) -> int:
         """A candidate's blocks at its finish (its most)."""

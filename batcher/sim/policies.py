@@ -15,51 +15,23 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..admission import Projected, naive_fits
+from ..admission import PROJECTED, Policy
 from ..batcher import Batcher
 from ..config import BatcherConfig
-from ..request import Request
 
-
-class Static:
-    """A fixed number of slots, sized for the worst case: it admits by count, not weight."""
-
-    name, preempts_to_fit = "static", False
-
-    def __init__(self, slots: int) -> None:
-        self.slots = slots
-
-    def fits(self, batcher: Batcher, req: Request, chunk: int, ahead: int, limit: int) -> tuple[bool, bool]:
-        return len(batcher.running) < self.slots, False
-
-
-class NaiveSum:
-    """Upstream TGI's rule: the sum of every final weight within the budget."""
-
-    name, preempts_to_fit = "tgi", False
-
-    def fits(self, batcher: Batcher, req: Request, chunk: int, ahead: int, limit: int) -> tuple[bool, bool]:
-        return naive_fits(batcher, req.reserved_total, 0, limit), False
-
-
-class Optimistic:
-    """Admits on current usage; before a step whose growth would not fit, the newest are preempted (vLLM's
-    scheduler: a request whose next token's block cannot be allocated preempts the newest running one).
-    Like vLLM it never runs a step over the budget, and pays for it in recomputed tokens."""
-
-    name, preempts_to_fit = "optimistic", True
-
-    def fits(self, batcher: Batcher, req: Request, chunk: int, ahead: int, limit: int) -> tuple[bool, bool]:
-        # like vLLM, the running requests' next slots are allocated before a waiting prompt's blocks
-        used = batcher.weight.batch([r.context_len + 1 for r in batcher.running.values()] + [req.context_len + 1])
-        return used <= batcher.budget, False
+# vLLM's scheduler: a request whose next token's block cannot be allocated preempts the newest running
+# one; like vLLM it never runs a step over the budget, and pays for it in recomputed tokens
+OPTIMISTIC = Policy("optimistic", "current", preempts_to_fit=True)
+NAIVE_SUM = Policy("tgi", "sum")  # upstream TGI's rule
 
 
 def static_batcher(config: BatcherConfig, *, blocks: bool = False) -> Batcher:
-    """The static policy at `config`'s budget. In the simulator nothing bounds its blocks (it counts
-    overflows); a real engine (`blocks`) needs them allocated: slots x max_total_tokens fit."""
+    """The static policy at `config`'s budget: a fixed number of slots, sized for the worst case. In the
+    simulator nothing bounds its blocks (it counts overflows); a real engine (`blocks`) needs them
+    allocated: slots x max_total_tokens fit."""
     cfg = replace(config, jump_window_s=0.0).resolved()
-    return Batcher(cfg, Static(cfg.max_batch_weight // cfg.max_total_tokens), pages=blocks)  # type: ignore[operator]
+    slots = cfg.max_batch_weight // cfg.max_total_tokens  # type: ignore[operator]
+    return Batcher(cfg, Policy("static", "count", slots), pages=blocks)
 
 
 POLICIES = ("static", "tgi", "optimistic", "weighted", "predictive", "oracle")
@@ -70,11 +42,11 @@ def make_batcher(policy: str, config: BatcherConfig) -> Batcher:
     if policy == "static":
         return static_batcher(config)
     if policy == "tgi":
-        return Batcher(replace(config, jump_window_s=0.0, mode="worst_case"), NaiveSum())
+        return Batcher(replace(config, jump_window_s=0.0, mode="worst_case"), NAIVE_SUM)
     if policy == "optimistic":
-        return Batcher(replace(config, jump_window_s=0.0, mode="worst_case"), Optimistic())
+        return Batcher(replace(config, jump_window_s=0.0, mode="worst_case"), OPTIMISTIC)
     if policy in ("weighted", "oracle"):
-        return Batcher(replace(config, mode="worst_case"), Projected())
+        return Batcher(replace(config, mode="worst_case"), PROJECTED)
     if policy == "predictive":
-        return Batcher(replace(config, mode="predictive"), Projected())
+        return Batcher(replace(config, mode="predictive"), PROJECTED)
     raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")

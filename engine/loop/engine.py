@@ -12,11 +12,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import torch
 from weightq.batcher import Batcher, RequestRejected
-from weightq.batcher.outlook import Urgency, urgency
+from weightq.batcher.outlook import Urgency
 
 from ..builder import build, on_fresh_thread
 from ..config import EngineConfig
@@ -35,7 +35,7 @@ from .intake import Intake, error_event, stopped_event
 from .isolate import isolate
 from .outputs import StepOutputs
 from .prepare import Preparer
-from .stats import Meter, check_invariants, engine_stats
+from .stats import Meter
 from .warmup import warm_up
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,13 @@ class Engine:
         self._generator = torch.Generator().manual_seed(cfg.seed)
         self.adapters = AdapterControl(self.runner.lora, next(self.lm.model.parameters()).dtype, cfg.allow_download)
         # A compiled runner compiles its shapes now, before anyone is served (on a fresh thread: see above).
-        self.warmup_s = on_fresh_thread(lambda: warm_up(self)) if self.runner.compiled else 0.0
+        self.warmup_s = on_fresh_thread(self._warm_up) if self.runner.compiled else 0.0
+
+    def _warm_up(self) -> float:
+        """The warm-up rounds (warmup.py) on the calling thread; the counters start after them."""
+        elapsed = warm_up(self.generate, len(self.tokenizer))
+        self.meter.reset()
+        return elapsed
 
     # ----- caller side (any thread) ---------------------------------------------------------------
     def submit(self, request: GenerationRequest, *, stream: bool = False) -> Handle:
@@ -149,11 +155,40 @@ class Engine:
         return self.batcher.room_for()
 
     def urgency(self) -> Urgency:
-        """What a worker takes beyond its room: batcher.outlook.urgency."""
-        return urgency(self.batcher)
+        """What a worker takes beyond its room: Batcher.urgency."""
+        return self.batcher.urgency()
 
     def stats(self) -> dict:
-        return engine_stats(self)
+        b, meter = self.batcher, self.meter
+        st = b.stats
+        return {
+            "running": len(b.running),
+            "waiting": len(b.waiting),
+            "urgency": asdict(b.urgency()),  # what a worker takes beyond its room (app/worker/intake.py)
+            "batch_weight": b.batch_weight(),
+            "max_batch_weight": b.budget,
+            "max_input_length": self.max_input_length,
+            "max_total_tokens": b.config.max_total_tokens,
+            **self.runner.memory(),
+            **meter.rates(),
+            **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in meter.counters.items()},
+            "occupied_s": round(meter.occupied_s(), 3),
+            "model": self.config.model,
+            "structured": self.grammars.available,  # can serve `guided` (xgrammar installed)
+            "lora": self.runner.lora is not None,  # serves LoRA adapters (loaded at run time too)
+            "adapters": self.runner.lora.adapters if self.runner.lora is not None else [],  # LoRA, by name
+            "adapter_errors": dict(self.adapters.errors),  # run-time loads that failed, and why
+            "attention": self.backend,
+            "runner": self.lm.runner,
+            "compiled": self.runner.compiled,
+            "warmup_s": round(self.warmup_s, 1),
+            "mode": b.config.mode,
+            "prefix_cache": bool(b.ledger is not None and b.ledger.caching),
+            "prefix_hit_rate": round(st.cached_tokens / st.prompt_tokens, 4) if st.prompt_tokens else 0.0,
+            "prefix_cached_tokens": st.cached_tokens,
+            "prefix_shared_blocks": b.shared_blocks_held,
+            "outlook": b.outlook(),  # for the web side's projected waits (app/client/backlog.py)
+        }
 
     def use_batcher(self, batcher: Batcher) -> None:
         """Another admission policy on the same engine (benchmarks' baselines); requests are checked
@@ -196,7 +231,7 @@ class Engine:
         now = time.monotonic()
         plan = self.batcher.schedule(now)
         runner, outputs, seqs = self.runner, self.outputs, self.seqs
-        self.adapters.apply(self.batcher.adapters)  # LoRA: the slots' adapters in place before the forward
+        self.adapters.apply(self.batcher)  # LoRA: the slots' adapters in place before the forward
         for req in plan.preempted:
             runner.release(seqs[req.id])
         if not plan:
@@ -242,8 +277,17 @@ class Engine:
             self.counters["overflow_steps"] += 1
         self.meter.count(plan.prefill_tokens, len(plan.decode), fwd, time.perf_counter() - t_start)
         if self.config.check_invariants:
-            check_invariants(self)
+            self._check_invariants()
         return True
+
+    def _check_invariants(self) -> None:
+        """Tests (check_invariants): the KV pool and the budget agree with the batcher after every step."""
+        b = self.batcher
+        assert b.batch_weight() <= b.budget, "batch weight over budget"
+        b.check_memory()
+        self.runner.check(list(self.seqs.values()), b.budget)
+        for seq in self.seqs.values():
+            assert len(seq.token_ids) == seq.sched.context_len, f"{seq.id}: tokens out of step with the batcher"
 
     def _drain(self) -> None:
         items, cancels = self.intake.take()

@@ -1,15 +1,8 @@
-"""The engine's counters and rates (Meter), what stats() reports, and the invariant checks of tests."""
+"""The engine's counters and rates (Meter)."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
-from typing import TYPE_CHECKING
-
-from weightq.batcher.outlook import outlook, urgency
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 
 class Meter:
@@ -76,45 +69,3 @@ class Meter:
             "decode_tok_s": round(self._rate["decode_tok_s"], 1),
             "recent_step_s": round(self._steps["step_s"], 5),  # recent seconds per step (kept while idle)
         }
-
-
-def engine_stats(engine: Engine) -> dict:
-    b, meter = engine.batcher, engine.meter
-    st = b.stats
-    return {
-        "running": len(b.running),
-        "waiting": len(b.waiting),
-        "urgency": asdict(urgency(b)),  # what a worker takes beyond its room (app/worker/intake.py)
-        "batch_weight": b.batch_weight(),
-        "max_batch_weight": b.budget,
-        "max_input_length": engine.max_input_length,
-        "max_total_tokens": b.config.max_total_tokens,
-        **engine.runner.memory(),
-        **meter.rates(),
-        **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in meter.counters.items()},
-        "occupied_s": round(meter.occupied_s(), 3),
-        "model": engine.config.model,
-        "structured": engine.grammars.available,  # can serve `guided` (xgrammar installed)
-        "lora": engine.runner.lora is not None,  # serves LoRA adapters (loaded at run time too)
-        "adapters": engine.runner.lora.adapters if engine.runner.lora is not None else [],  # LoRA, by name
-        "adapter_errors": dict(engine.adapters.errors),  # run-time loads that failed, and why
-        "attention": engine.backend,
-        "runner": engine.lm.runner,
-        "compiled": engine.runner.compiled,
-        "warmup_s": round(engine.warmup_s, 1),
-        "mode": b.config.mode,
-        "prefix_cache": bool(b.ledger is not None and b.ledger.caching),
-        "prefix_hit_rate": round(st.cached_tokens / st.prompt_tokens, 4) if st.prompt_tokens else 0.0,
-        "prefix_cached_tokens": st.cached_tokens,
-        "prefix_shared_blocks": b.shared_blocks_held,
-        "outlook": outlook(b),  # for the web side's projected waits (app/client/backlog.py)
-    }
-
-
-def check_invariants(engine: Engine) -> None:
-    b = engine.batcher
-    assert b.batch_weight() <= b.budget, "batch weight over budget"
-    b.check_memory()
-    engine.runner.check(list(engine.seqs.values()), b.budget)
-    for seq in engine.seqs.values():
-        assert len(seq.token_ids) == seq.sched.context_len, f"{seq.id}: tokens out of step with the batcher"

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 from ..params import GenerationRequest, SamplingParams
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -26,12 +24,12 @@ ROUNDS = (
 )
 
 
-def warm_up(engine: Engine) -> float:
-    """Run the warm-up rounds on the calling thread; returns the seconds it took (counters reset)."""
+def warm_up(generate: Callable[[list[GenerationRequest]], Any], vocab: int) -> float:
+    """Run the warm-up rounds through `generate` (the engine's, on the calling thread) with token ids
+    below `vocab`; returns the seconds it took."""
     t0 = time.perf_counter()
-    vocab = len(engine.tokenizer)
     for r, round_ in enumerate(ROUNDS):
-        engine.generate(
+        generate(
             [
                 GenerationRequest(
                     f"warmup-{r}-{i}",
@@ -42,6 +40,5 @@ def warm_up(engine: Engine) -> float:
             ]
         )
     elapsed = time.perf_counter() - t0
-    engine.meter.reset()
     log.info("compiled and warmed up in %.1f s", elapsed)
     return elapsed

@@ -5,7 +5,7 @@ to the stacks before the forward (batcher/adapters.py decides; layers.py: Reside
 from __future__ import annotations
 
 import torch
-from weightq.batcher.adapters import AdapterSlots
+from weightq.batcher import Batcher
 
 from .adapter import AdapterError, read_adapter
 from .layers import Resident
@@ -33,7 +33,7 @@ class AdapterControl:
         """New requests may no longer name it; its slot is freed once its running requests end."""
         return self.resident is not None and self.resident.unload(name)
 
-    def apply(self, slots: AdapterSlots) -> None:
+    def apply(self, batcher: Batcher) -> None:
         """(Engine thread, after the batcher planned the step) unloads reach the batcher (their slots
         free from the next step), the adapters admitted requests need are copied into their slots,
         and slots the batcher took back are forgotten."""
@@ -41,7 +41,7 @@ class AdapterControl:
         if resident is None:
             return
         for name in resident.take_unloaded():
-            slots.forget(name)
-        for name, slot in slots.drain():
+            batcher.unload_adapter(name)
+        for name, slot in batcher.adapter_loads():
             resident.place(name, slot)
-        resident.sync(slots.slot_of)
+        resident.sync(batcher.adapters.slot_of)

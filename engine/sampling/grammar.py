@@ -28,14 +28,11 @@ from typing import Any
 import torch
 
 from ..params import InvalidRequest
+from .grammar_spec import GrammarError, available, compile_spec, xgrammar
 
 CACHE_SIZE = 256  # compiled grammars kept (a schema compiles in ~1-100 ms) ...
 CACHE_BYTES = 256 * 2**20  # ... and at most this much of them (xgrammar's own cache is off)
 REFUSED_SIZE = 1024  # specs refused lately: sent again, refused at once, not compiled again
-
-
-class GrammarError(ValueError):
-    """A spec that cannot be compiled (the message says why)."""
 
 
 @dataclass(slots=True)
@@ -74,7 +71,7 @@ class Grammars:
 
     def guide(self, guided: tuple[str, str]) -> Guide:
         """A fresh guide for the spec; InvalidRequest("guided") for one that cannot compile."""
-        matcher = _xgr().GrammarMatcher(self.compiled(guided))
+        matcher = xgrammar().GrammarMatcher(self.compiled(guided))
         return Guide(matcher, self.control_tokens() if guided[0] != "regex" else None)
 
     def ready(self, guided: tuple[str, str]) -> bool:
@@ -116,7 +113,7 @@ class Grammars:
     def _compile(self, guided: tuple[str, str]) -> Any:
         """The spec compiled, tried first in the trial process; GrammarError if it cannot be, in time
         and memory, or if no text satisfies it."""
-        xgr = _xgr()
+        xgr = xgrammar()
         if self._compiler is None:
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
             self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
@@ -143,24 +140,9 @@ class Grammars:
             self._cache_bytes -= int(old.memory_size_bytes)
 
 
-def compile_spec(compiler: Any, kind: str, spec: str) -> Any:
-    """xgrammar's compile of one spec (kind json_schema, json_object or regex); GrammarError if not."""
-    try:
-        if kind == "json_schema":
-            return compiler.compile_json_schema(spec, any_whitespace=False)
-        if kind == "json_object":
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-        if kind == "regex":
-            return compiler.compile_regex(spec)
-    except (RuntimeError, ValueError, TypeError) as e:
-        message = str(e).split("\n")[0]
-        raise GrammarError(f"the {kind.replace('_', ' ')} cannot be compiled: {message[:300]}") from None
-    raise GrammarError(f"unknown kind {kind!r}")  # the contract admits none
-
-
 def apply(logits: torch.Tensor, guides: list[tuple[int, Guide]]) -> None:
     """Mask every row's tokens its grammar forbids (-inf), in place: (row, guide) pairs."""
-    xgr = _xgr()
+    xgr = xgrammar()
     bitmask = xgr.allocate_token_bitmask(len(guides), logits.shape[-1])
     for j, (_, guide) in enumerate(guides):
         guide.matcher.fill_next_token_bitmask(bitmask, j)
@@ -173,23 +155,3 @@ def apply(logits: torch.Tensor, guides: list[tuple[int, Guide]]) -> None:
     for j in (~torch.isfinite(sub).any(-1)).nonzero().flatten().tolist():
         guides[j][1].dead = True  # every token masked: whatever is drawn would leave the grammar
     logits[rows] = sub
-
-
-def available() -> bool:
-    try:
-        _xgr()
-    except InvalidRequest:
-        return False
-    return True
-
-
-def _xgr():
-    try:
-        import xgrammar
-    except ImportError:
-        raise InvalidRequest(
-            "guided",
-            "structured output needs xgrammar on the worker: "
-            "pip install --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2",
-        ) from None
-    return xgrammar

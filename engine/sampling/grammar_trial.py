@@ -114,9 +114,9 @@ def _child(memory_mb: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # its parent ends it
     out = os.fdopen(os.dup(1), "wb", 0)
     os.dup2(2, 1)  # whatever xgrammar prints goes to stderr, not into the replies
-    from weightq.engine.sampling.grammar import GrammarError, _xgr, compile_spec
+    from weightq.engine.sampling.grammar_spec import GrammarError, compile_spec, xgrammar
 
-    xgr = _xgr()
+    xgr = xgrammar()
     info = xgr.TokenizerInfo.deserialize_json(sys.stdin.buffer.readline().decode())
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     with open("/proc/self/statm") as f:

@@ -35,8 +35,8 @@ def test_an_adapter_unloaded_in_use_keeps_its_slot_until_its_last_request_leaves
 
 
 def test_admission_counts_the_slot_and_a_request_whose_adapter_can_never_fit_is_refused():
-    b = Batcher(BatcherConfig(max_batch_weight=1000, max_total_tokens=400, mode="worst_case"))
-    b.adapters.slot_weight, b.adapters.max_capacity = 300, 2
+    b = Batcher(BatcherConfig(max_batch_weight=1000, max_total_tokens=400, mode="worst_case"), adapter_slot_weight=300)
+    assert b.adapters.max_capacity == 2  # (1000 - one request of 400) // 300: one request still fits beside them
     b.submit(Request("base", 300, 100))
     b.submit(Request("x", 300, 100, adapter="a"))  # 400 + 400 + a slot of 300 > 1000: waits
     plan = b.schedule(0.0)

@@ -140,11 +140,9 @@ def test_room_for_counts_the_slots_the_cap_leaves():
 
 
 def test_a_flood_holding_the_slots_is_heavy_though_its_weight_is_small():
-    from weightq.batcher.outlook import urgency
-
     b = Batcher(_count_bound())
     for i in range(8):
         b.submit(Request(f"a{i}", 8, 50, arrival_s=0.0, tenant="a"))
     b.schedule(0.0)
     assert b.committed < b.budget / 10  # the weight is far from binding
-    assert urgency(b).heavy_tenants == ("a",)
+    assert b.urgency().heavy_tenants == ("a",)

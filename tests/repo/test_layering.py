@@ -248,30 +248,132 @@ def test_the_job_contract_is_spelled_once():
     assert offenders == []
 
 
-MAX_CLASS_LINES = 250
-MAX_FILE_LINES = 350
+def _product_imports() -> dict[str, set[str]]:
+    """Every product module -> the product modules it imports anywhere in it (module level, in a
+    function, under TYPE_CHECKING): `from . import x` is module x, `from .m import name` is m."""
+    graph: dict[str, set[str]] = {}
+    for folder in FOLDERS:
+        for path in (ROOT / folder).rglob("*.py"):
+            mod, package = module_of(path)
+            names: set[str] = set()
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names |= {a.name for a in node.names}
+                elif isinstance(node, ast.ImportFrom):
+                    base = node.module or ""
+                    if node.level:
+                        up = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                        base = f"{up}.{node.module}" if node.module else up
+                    names |= {f"{base}.{a.name}" for a in node.names}
+            graph[mod] = {n for n in names if n.startswith("weightq")}
+    modules = set(graph)
+
+    def owner(name: str) -> str:  # the module a dotted name lives in
+        while name not in modules and "." in name:
+            name = name.rsplit(".", 1)[0]
+        return name
+
+    return {m: {owner(d) for d in ds} & modules - {m} for m, ds in graph.items()}
 
 
-def test_engine_and_batcher_have_no_class_or_file_too_long_to_read():
-    """A class over 250 lines or a file over 350 is one object doing several jobs: split it by role,
-    by composition (a class built on two or more of our own classes is mixins: their lines are its)."""
+def test_no_import_circle_anywhere_in_the_product():
+    """Dependencies point one way inside each layer too: a circle (even through TYPE_CHECKING or an
+    import in a function) is two modules that cannot be read, tested or changed apart."""
+    graph = _product_imports()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while (w := stack.pop()) != v:
+                comp.append(w)
+            if comp:
+                circles.append(sorted([v, *comp]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert circles == []
+
+
+def test_the_batchers_parts_never_reach_the_batcher():
+    """The Batcher decides and its parts answer: no module of batcher/ imports it (not even for
+    typing) but the package's own __init__ and the simulator, which uses it as any caller does."""
+    offenders = [
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "batcher").rglob("*.py")
+        if path.name not in ("__init__.py", "batcher.py")
+        and "sim" not in path.relative_to(ROOT / "batcher").parts
+        and any(
+            n.endswith(".batcher.batcher") or n == "weightq.batcher.Batcher" for n in imported(path, module_of(path)[1])
+        )
+    ]
+    assert offenders == []
+
+
+def _chain(node: ast.AST) -> list[str]:
+    """`a.b[i].c` as ["c", "b", "a"]: the attributes from the last, then the root name."""
+    chain = []
+    while isinstance(node, ast.Attribute | ast.Subscript):
+        if isinstance(node, ast.Attribute):
+            chain.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        chain.append(node.id)
+    return chain
+
+
+def test_nothing_outside_the_batcher_changes_its_state():
+    """Outside batcher/, the batcher is asked and told through its methods: no assignment reaches
+    into it or its parts (`engine.batcher.budget = ...`; `slots = batcher.adapters` then
+    `slots.slot_weight = ...`; `b.committed = 0` for a `b: Batcher`)."""
+    offenders = []
+    for folder in ("app", "tasks", "engine", "bench"):
+        for path in (ROOT / folder).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            held = {"batcher"}  # names that hold the batcher or one of its parts
+            for node in ast.walk(tree):
+                if isinstance(node, ast.arg) and "Batcher" in ast.unparse(node.annotation or ast.Constant("")):
+                    held.add(node.arg)
+                one = isinstance(node, ast.Assign) and len(node.targets) == 1
+                if one and isinstance(node.targets[0], ast.Name) and "batcher" in _chain(node.value):
+                    held.add(node.targets[0].id)
+            for node in ast.walk(tree):
+                targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+                for target in targets:
+                    if not isinstance(target, ast.Attribute | ast.Subscript):
+                        continue
+                    chain = _chain(target)
+                    if "batcher" in chain[1:-1] or (chain and chain[-1] in held):
+                        offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(target)}")
+    assert offenders == []
+
+
+def test_engine_and_batcher_classes_are_not_built_from_mixins():
+    """A class built on two or more of our own classes is one object spread over files: its state
+    lives in one place, and its methods beside it."""
     paths = sorted(p for folder in ("engine", "batcher") for p in (ROOT / folder).rglob("*.py"))
     trees = {p: ast.parse(p.read_text()) for p in paths}
     ours = {n.name for t in trees.values() for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
-    long = []
+    mixed = []
     for path, tree in trees.items():
-        name = path.relative_to(ROOT)
-        if (n := len(path.read_text().splitlines())) > MAX_FILE_LINES:
-            long.append(f"{name}: {n} lines")
         for node in ast.walk(tree):
-            if not isinstance(node, ast.ClassDef):
-                continue
-            local = [b.id for b in node.bases if isinstance(b, ast.Name) and b.id in ours]
-            if len(local) > 1:
-                long.append(f"{name}: {node.name} is built from mixins {local}")
-            if (n := node.end_lineno - node.lineno + 1) > MAX_CLASS_LINES:
-                long.append(f"{name}: class {node.name} is {n} lines")
-    assert not long, long
+            if isinstance(node, ast.ClassDef):
+                local = [b.id for b in node.bases if isinstance(b, ast.Name) and b.id in ours]
+                if len(local) > 1:
+                    mixed.append(f"{path.relative_to(ROOT)}: {node.name} is built from mixins {local}")
+    assert mixed == []
 
 
 # Files a comment may name that are not ours: formats and a web app's own modules.
