@@ -54,8 +54,8 @@ def celery_config(s: Settings, url: str | None = None) -> dict:
             "unacked_restore_interval": s.worker.restore_interval_s,
             "unacked_restore_throttle": 1,
             # kombu holds this Redis lock while it restores expired messages, 300 s by default: a worker
-            # SIGKILLed inside that window stopped every worker's restores for five minutes (seen in CI:
-            # a poison job's redelivery never came). A restore takes milliseconds, and restoring a tag
+            # SIGKILLed inside that window stops every worker's restores until the lock expires (a poison
+            # job's redelivery waits that long). A restore takes milliseconds, and restoring a tag
             # twice is prevented by kombu's WATCH transaction, so the lock may lapse soon.
             "unacked_mutex_expire": 10,
             # a list per priority (tasks/limits.py: broker_priority), the most urgent taken first
@@ -67,12 +67,12 @@ def celery_config(s: Settings, url: str | None = None) -> dict:
         **tls_options(s, url),
         "broker_connection_retry_on_startup": True,
         "broker_connection_max_retries": None,  # a Redis restart is waited out, however long
-        # kombu's Redis transport without the restore-on-close that crashed the consumer after a
+        # kombu's Redis transport without the restore-on-close that crashes the consumer after a
         # Redis crash (see app/transport.py); rediss:// and unix sockets keep kombu's own.
         **({"broker_transport": _OWN_TRANSPORTS[url.split("://")[0]]} if own_transport(url) else {}),
         "result_expires": s.stream.result_ttl_s,
-        # The request is kept once, in the job hash (for recovery): an extended result stored it again,
-        # with every token id, for RESULT_TTL_S.
+        # The request is kept once, in the job hash (for recovery): an extended result would store it
+        # again, with every token id, for RESULT_TTL_S.
         "result_extended": False,
         "task_track_started": False,  # Flower sees "started" through events; skip the extra backend write
         "task_send_sent_event": s.queues.task_events,

@@ -144,8 +144,8 @@ def _sentinel_kwargs(conf: RedisSettings) -> dict:
 
 class CPacker:
     """Packs a command's arguments in C (hiredis). redis-py's own serializer first runs every argument
-    through `Encoder.encode` in Python: that was an eighth of a worker's main-process CPU with 256
-    streams (each stream-writer script call carries several arguments per token). hiredis writes str
+    through `Encoder.encode` in Python: a large share of a worker's main-process CPU with many streams
+    (each stream-writer script call carries several arguments per token). hiredis writes str
     (UTF-8), bytes, memoryview, int and float as redis-py does; what it refuses (a bool, a bytearray)
     goes the redis-py way, which refuses a bool by name. One instance serves every connection."""
 
@@ -215,7 +215,7 @@ def celery_options(url: str, conf: RedisSettings) -> dict:
 
 def raw_xread(client: redis.Redis | aredis.Redis) -> None:
     """This client's XREAD returns Redis' reply as hiredis parsed it, without redis-py's reshaping in
-    Python: a reader following hundreds of streams spent about a quarter of an XREAD there, each
+    Python: for a reader following hundreds of streams that is a large share of an XREAD, each
     token's entry rebuilt as a tuple and a dict. Read it with `xread_streams`."""
     client.set_response_callback("XREAD", _as_is)
 

@@ -29,10 +29,31 @@ from weightq.cli.processes import GatewayProcess, WorkerProcess
 from weightq.cli.redis_server import EmbeddedRedis
 from weightq.client import Client
 from weightq.settings import Settings
-from weightq.tasks.contract import SINGLETONS as CONTRACT_KEYS
-from weightq.tasks.contract import WORKER_QUEUES, fair_key, is_end, job_key, stream_key
+from weightq.tasks.contract import (
+    CANCEL_CHANNEL,
+    DEAD,
+    HEARTBEATS,
+    LEASES,
+    LORA_ADAPTERS,
+    LORA_ERRORS,
+    QUEUED,
+    RECOVER_LOCK,
+    RESUMING,
+    STARTED_HW,
+    STREAM_TICK,
+    WORKER_QUEUES,
+    fair_key,
+    is_end,
+    job_key,
+    stream_key,
+)
 from weightq.transport import priority_queues
 
+# The contract's keys that live without an expiry (one each, not one per job)
+CONTRACT_KEYS = (
+    CANCEL_CHANNEL, QUEUED, STARTED_HW, DEAD, HEARTBEATS, RECOVER_LOCK, STREAM_TICK, LEASES, RESUMING, WORKER_QUEUES,
+    LORA_ADAPTERS, LORA_ERRORS,
+)  # fmt: skip
 SINGLETONS = {*CONTRACT_KEYS, "weightq", "unacked", "unacked_index"}  # kombu's own, and the queue
 WORKER = {
     "max_batch_weight": 16384,

@@ -105,8 +105,8 @@ RESUMING = "weightq:resuming"
 # One entry per batch of stream entries a worker writes (WRITE_BATCH; FAIL too), the last 64 kept, its
 # "keys" the streams written to (space-separated) and its "data" what was written to each (tasks/ticks.py):
 # a reader following many streams blocks on this one key, takes the entries it carries, and reads only
-# the streams where it cannot (a blocked XREAD of hundreds of keys cost a full command to send, and
-# Redis 6 answered it with just the stream that woke it). An entry without "keys": read them all.
+# the streams where it cannot (a blocked XREAD of hundreds of keys costs a full command to send, and
+# Redis 6 answers it with just the stream that woke it). An entry without "keys": read them all.
 STREAM_TICK = "weightq:stream-tick"
 TICKS_KEPT = 64  # its length (the scripts' MAXLEN): a reader that reads this many may have missed some
 # Prefix affinity: each worker's own queue, by queue name: {"queue": the shared queue, "instance",
@@ -118,10 +118,9 @@ WORKER_QUEUES = "weightq:worker-queues"
 LORA_ADAPTERS = "weightq:lora"
 LORA_ERRORS = "weightq:lora-errors"
 RUNNING_STREAM_TTL_S = 86_400  # a running job's stream lives a day; once it ends, STREAM_TTL_S
-SINGLETONS = (
-    CANCEL_CHANNEL, QUEUED, STARTED_HW, DEAD, HEARTBEATS, RECOVER_LOCK, STREAM_TICK, LEASES, RESUMING, WORKER_QUEUES,
-    LORA_ADAPTERS, LORA_ERRORS,
-)  # fmt: skip
+# A worker instance's sets (held_key, engine_jobs_key): each write renews the expiry, so a dead instance's
+# sets go a day after its last write, long after a reaper has handled it (BEGIN's Lua spells it as 86400).
+INSTANCE_SETS_TTL_S = 86_400
 
 
 SHARD_TAG = ".s"  # a job id made on a sharded plane ends with its shard: "<hex>.s<k>" (`on_shard`)
@@ -261,8 +260,8 @@ def decode_fields(raw: Mapping) -> dict[str, str]:
 
 def args_repr(request: Mapping[str, Any]) -> str:
     """The job message's `argsrepr` (what Flower and `celery inspect` show): the request with its token
-    lists and long texts summarised. Celery's own saferepr walks every token id, which was a quarter
-    of a submission's time."""
+    lists and long texts summarised. Celery's own saferepr walks every token id, a large share of a
+    submission's time."""
     shown = {
         k: f"<{len(v)} items>"
         if isinstance(v, list)

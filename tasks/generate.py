@@ -31,8 +31,8 @@ class RequestRefused(ValueError):
 
 # Expected exceptions: Celery marks the task failed but logs one line, not an error with a traceback.
 # Celery reprs every result for its log line and events, whatever the log level, walking it up to
-# resultrepr_maxsize characters (1,024: 0.15-0.3 ms of the worker's CPU per job, most of it in the
-# token ids); the first 160 show the id, the text's start and the finish reason.
+# resultrepr_maxsize characters (Celery's default 1,024 costs the worker CPU on every job, most of it in
+# the token ids); the first 160 show the id, the text's start and the finish reason.
 @shared_task(name=TASK_NAME, bind=True, throws=(RequestError, RequestRefused), resultrepr_maxsize=160)
 def generate(self, request: dict) -> dict:
     host = getattr(self.app, "weightq_host", None)

@@ -50,15 +50,15 @@ MAX_LOGIT_BIAS_VALUE = 100.0  # |bias|, as OpenAI allows
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 MAX_GUIDED_CHARS = 65_536  # a schema (as JSON) or a regex
 # Nesting of a JSON schema (objects and arrays in its JSON text; a property of an object is two levels):
-# xgrammar's compile time grows steeply with it (2 cores: 32 nested objects 0.01 s, 128 0.4 s, 300 7 s).
+# xgrammar's compile time grows steeply with it (a few hundred levels take seconds where a few dozen take ms).
 MAX_GUIDED_DEPTH = 64
 MAX_PROMPT_TOKEN_IDS = 1_000_000  # a prompt given as token ids (a worker's max_input_length is the real bound)
 # What one HTTP request may ask for in all: its prompts' characters or token ids summed over its
-# choices (prompts x n). Each choice is a job whose request is stored in Redis: 32 copies of a
-# 300,000-id prompt were ~27 MiB written before the worker refused them.
+# choices (prompts x n). Each choice is a job whose request is stored in Redis, written in full before
+# a worker can refuse it: the bound caps what one request makes Redis hold.
 MAX_REQUEST_PROMPT_UNITS = 4_000_000
 # Temperatures below this are greedy (as vLLM's _SAMPLING_EPS): dividing float32 logits by 1e-45
-# overflows to inf and sampled the least likely token. The engine keeps the same floor.
+# overflows to inf, which samples the least likely token. The engine keeps the same floor.
 GREEDY_BELOW = 1e-5
 TOKEN_ID_LIMIT = 2**31  # token ids are below this (the vocabulary, checked by the worker, is smaller)
 ROLES = ("system", "user", "assistant", "tool")

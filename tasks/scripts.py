@@ -195,8 +195,8 @@ return 1
 # one STREAM_TICK entry naming the streams written and carrying what was written to each (tasks/ticks.py),
 # so a reader that follows many streams reads one entry per batch instead of one per stream. A stream's
 # part names the entry before the batch's: the writer says which it last wrote there, and XSETID to it
-# (a no-op then) is refused if an entry above it exists; only then is the last id looked up (XREVRANGE
-# cost three times as much, as much per stream as the rest of the batch's work).
+# (a no-op then) is refused if an entry above it exists; only then is the last id looked up (an XREVRANGE
+# per stream costs as much as the rest of the batch's work for that stream).
 # KEYS: the writer's key, STREAM_TICK, streams and job hashes. ARGV: maxlen, stream ttl, job ttl, seq,
 # the number of fences, per fence its stream index, job index (into KEYS) and the writer's attempt; the
 # number of last ids, per one its stream index and the id the writer last wrote there; per entry its

@@ -1,6 +1,6 @@
 """What a STREAM_TICK entry carries: the streams a worker's batch wrote to ("keys") and, for each, the
 entries it wrote ("data"), so a reader that follows many streams takes a batch from one entry instead of
-reading each stream (an XREAD of a stream cost Redis three times what writing its entry did). Part of
+reading each stream (an XREAD of a stream costs Redis several times what writing its entry does). Part of
 the job contract, which re-exports every name here; WRITE_BATCH (tasks/scripts.py) writes them.
 
 A stream's part is JSON: [the id of the stream's entry before the batch's first ("0-0": none), then

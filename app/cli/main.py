@@ -243,7 +243,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         settings.queues.queue,
         "-l",
         args.loglevel,
-        # Gossip and mingle exchange worker state we keep in Redis ourselves; gossip also failed to
+        # Gossip and mingle exchange worker state we keep in Redis ourselves; gossip also fails to
         # restart after a broker reconnect (Celery 5.7), leaving the consumer stuck.
         "--without-gossip",
         "--without-mingle",

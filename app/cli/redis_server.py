@@ -26,9 +26,9 @@ log = logging.getLogger(__name__)
 
 # Entries per node of a Redis stream (Redis' default 100). A reader that XREADs a stream after an id
 # finds the id's node in a radix tree, then walks that node's entries from its first: with a job's
-# stream read an entry at a time, each read walked half a node, 16 us a read at 100 against 7 at 16
-# (redis 6.2 on this machine), for ~10% more XADD time and ~6 bytes an entry. Set it on any Redis
-# that carries the token plane (README: capacity).
+# stream read an entry at a time, each read walks half a node, so smaller nodes make every read
+# cheaper, for a little more XADD time and a few bytes an entry. Set it on any Redis that carries the
+# token plane (README: capacity).
 STREAM_NODE_ENTRIES = 16
 
 
@@ -235,8 +235,8 @@ def write_private(path: Path, text: str) -> None:
 def embedded(conf: RedisSettings) -> EmbeddedRedis:
     """The embedded Redis of WEIGHTQ_HOME, with its password: generated once and kept in
     WEIGHTQ_HOME/redis/password (mode 0600, like the URL file beside it, which clients read). Bound to
-    127.0.0.1 alone, it still answered any local process and any page that reached the port, and a
-    Redis 6.2 client can write files as the weightq user (CONFIG SET dir)."""
+    127.0.0.1 alone but without a password, it would answer any local process and any page that
+    reached the port, and a Redis 6.2 client can write files as the weightq user (CONFIG SET dir)."""
     home = conf.home / "redis"
     home.mkdir(parents=True, exist_ok=True)
     home.chmod(0o700)

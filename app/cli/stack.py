@@ -225,7 +225,7 @@ WORKER_EXTRA = ("torch", "transformers", "tokenizers", "safetensors")  # pyproje
 
 def require_worker_extra(command: str) -> None:
     """The engine's dependencies are an extra (`weightq[worker]`): a command that runs an engine says
-    so, before it starts anything, where `pip install weightq` alone was enough for a web app."""
+    so, before it starts anything, while `pip install weightq` alone is enough for a web app."""
     import importlib.util
 
     missing = [name for name in WORKER_EXTRA if importlib.util.find_spec(name) is None]

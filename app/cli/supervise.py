@@ -16,7 +16,7 @@ def stop_on_signals() -> Iterator[None]:
     """SIGTERM and SIGHUP (systemd, container runtimes, `timeout`, a closed terminal) stop the stack as
     Ctrl-C does: as a KeyboardInterrupt in the main thread. SIGINT too, explicitly: a process started
     in the background by a non-interactive shell inherits SIGINT ignored, and Python then installs no
-    handler of its own (a CI run started so hung on `kill -INT` until its test timed out)."""
+    handler of its own (such a process would ignore `kill -INT`)."""
 
     def interrupt(signum, frame) -> None:
         raise KeyboardInterrupt

@@ -98,8 +98,8 @@ class BatchRun:
         self.out = output
         self.formats: list[LineFormat] = [*(formats or []), JobLines()]  # the first that matches a line
         # Set by the SIGINT handler and checked at safe points. A KeyboardInterrupt raised wherever the
-        # signal lands can be swallowed (seen in CI: it landed in a Celery AsyncResult.__del__, where
-        # Python only prints "Exception ignored", and the run went on to the end).
+        # signal lands can be swallowed (in a Celery AsyncResult.__del__, for one, Python only prints
+        # "Exception ignored", and the run goes on to the end).
         self.stop = threading.Event()
         self.max_in_flight = max_in_flight
         # job id -> (line id, submitted at, the line, its format)

@@ -59,6 +59,10 @@ from .routing import Router
 
 __all__ = ["Client", "Job", "JobFailed", "StreamEvent", "submit"]
 
+READ_COUNT = 512  # stream entries one XREAD of a job's stream takes at most
+READ_BLOCK_MS = 1000  # how long one XREAD waits for an entry (the clients' socket timeout stays well above it)
+RECONNECT_S = 1.0  # the pause before reading again when Redis is away (restarting)
+
 
 def check_servable(
     jobs: Sequence[JobRequest], structured: bool | None, queue: str, adapters: set[str] | None = None
@@ -124,13 +128,13 @@ class Job:
         block_ms = 0  # the first read does not block: a stream not there yet is looked into at once
         while True:
             try:
-                resp = r.xread({key: last_id}, count=512, block=block_ms or None)
+                resp = r.xread({key: last_id}, count=READ_COUNT, block=block_ms or None)
             except redis.ConnectionError:  # Redis restarting: the stream is durable, read on once it is back
-                time.sleep(1.0)
+                time.sleep(RECONNECT_S)
                 resp = None
             if not resp and not block_ms:
                 self._check_stream()
-            waited_now, block_ms = block_ms / 1000, 1000
+            waited_now, block_ms = block_ms / 1000, READ_BLOCK_MS
             if not resp:
                 waited += waited_now
                 if timeout is not None and waited >= timeout:
@@ -255,7 +259,8 @@ class Client:
         self.streams_url = self.streams_urls[0]  # the plane's home
         self.plane = TokenPlane.connect(self.settings.redis, url, socket_timeout=30)
         self.redis = self.plane.home
-        # XREAD blocks up to 1 s: keep the socket timeout well above it (see FACTS: redis-py 8).
+        # XREAD blocks up to READ_BLOCK_MS, and redis-py's socket timeout bounds a blocked read too: keep
+        # the timeout well above it.
         self.readers = TokenPlane.connect(self.settings.redis, url, socket_timeout=30)
         self.broker = self.redis if self.streams_url == url else connect(url, self.settings.redis, socket_timeout=30)
         self.backpressure = Backpressure(self.redis, self.broker, self.settings.queues)

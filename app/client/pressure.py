@@ -37,6 +37,7 @@ from .wait_error import WaitError
 # once, not twice.
 PROMISED = 0.8
 SLACK = 0.1  # ... and never closer than this share to where the projection's error leaves it at the bound
+NO_END_RETRY_S = 3600  # Retry-After for a wait with no end in sight (jobs wait and no worker serves them)
 
 
 class Backpressure:
@@ -154,4 +155,4 @@ def _s(wait: float) -> str:
 
 
 def _retry(seconds: float) -> int:
-    return 3600 if math.isinf(seconds) else max(1, math.ceil(seconds))
+    return NO_END_RETRY_S if math.isinf(seconds) else max(1, math.ceil(seconds))

@@ -1,8 +1,8 @@
 """Which queue a job is sent to (AFFINITY): the own queue of the worker its prompt's prefix hashes to
 (tasks/affinity.py), or the shared queue every worker of QUEUE takes from.
 
-Hashing alone spreads distinct prompts unevenly (192 jobs over three workers: 54 / 66 / 72), and the
-busiest worker (and its token-plane shard) sets the pace. So the choice is a bounded-load rendezvous
+Hashing alone spreads distinct prompts unevenly (by chance some workers get many more than others), and
+the busiest worker (and its token-plane shard) sets the pace. So the choice is a bounded-load rendezvous
 (consistent hashing with bounded loads, Mirrokni et al.): a worker takes a job while its backlog is
 under (1 + AFFINITY_SLACK) x the mean of the workers that could take it, this job counted, and never
 less than BALANCE_FLOOR; past that the job goes to the next worker in its key's order. The jobs of one

@@ -1,16 +1,15 @@
-"""How far the projected waits (backlog.py) fell short of the first tokens they promised, learned from
+"""How far the projected waits (backlog.py) fall short of the first tokens they promised, learned from
 the jobs this process admitted: the margin backpressure keeps below MAX_QUEUE_WAIT_S.
 
-A fixed share of the bound was either too little (bench.overload: accepted TTFT p99 10.0-11.5 s
-against 10 s, the projection off by 5% steadily and by 1.5-2 s for the jobs admitted just before a
-heartbeat showed a cohort finishing later than the one before) or too much where the projection is
-close. So each admitted job's projected wait is kept, and when its first entry (a token, or its end
-or error) reaches this process, the difference between the real wait and the projected one is a
-sample; backpressure admits a job while its projected wait plus the recent samples' p99 is within
-the bound. Before there are enough samples, or after a quiet while (HORIZON_S), the margin is the
-prior share of the bound, or the worst error seen if that is larger (bench.overload's first round
-came to 9.995 s of 10 with the prior alone while the first 50 samples came in). Each process (a
-gateway, a client) learns from the jobs it admitted and reads."""
+A fixed share of the bound is either too little or too much: the projection runs late by a share of
+the wait steadily, and by more for the jobs admitted just before a heartbeat shows a cohort finishing
+later than the one before, while where it is close a fixed share refuses jobs for nothing. So each
+admitted job's projected wait is kept, and when its first entry (a token, or its end or error) reaches
+this process, the difference between the real wait and the projected one is a sample; backpressure
+admits a job while its projected wait plus the recent samples' p99 is within the bound. Until there
+are MIN_SAMPLES, or after a quiet while (HORIZON_S), the margin is the prior share of the bound, or the
+worst error seen if that is larger (the prior alone can let the first jobs' p99 reach the bound while
+the samples come in). Each process (a gateway, a client) learns from the jobs it admitted and reads."""
 
 from __future__ import annotations
 

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 T = TypeVar("T")
 STREAM_ID = re.compile(r"^\d{1,20}-\d{1,20}(@\d{1,10})?$")  # "@<i>": a token inside a joined entry
+DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 
 
 class Gateway:
@@ -198,7 +199,7 @@ class Gateway:
         task = asyncio.ensure_future(work)
         try:
             while True:
-                done, _ = await asyncio.wait({task}, timeout=0.25)
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
                 if done:
                     return task.result()
                 if await request.is_disconnected():

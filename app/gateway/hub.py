@@ -65,7 +65,8 @@ class _Shard:
 
 
 FULL_EVERY_S = 0.25  # every followed stream is read at least this often (entries written without a tick)
-# hiredis decodes the replies in C (redis-py's decoding, or ours per field, was a tenth of the hub's time);
+RETRY_S = 0.5  # the pause before reading again after a Redis error
+# hiredis decodes the replies in C (decoding them in Python, redis-py's way or per field, is much of the hub's time);
 # a token's text is the worker's valid UTF-8, and anything else becomes U+FFFD rather than an error
 HUB_CONNECTION = {"socket_timeout": 30, "health_check_interval": 10, "decode_responses": True,
                   "encoding_errors": "replace"}  # fmt: skip
@@ -89,8 +90,8 @@ class StreamHub:
 
     async def close(self) -> None:
         """Stops both tasks. A cancel alone is not enough: one that lands inside redis-py's XREAD can be
-        swallowed there, and the read loop then waited on `_wake` for good (seen in tests); the flag
-        ends the loops at their next turn either way."""
+        swallowed there, and the read loop would then wait on `_wake` for good; the flag ends the loops
+        at their next turn either way."""
         self._closing = True
         for shard in self._shards:
             shard.wake.set()
@@ -111,7 +112,7 @@ class StreamHub:
         lists of all that have arrived by the time the follower looks: a follower that falls behind
         catches up in one write per batch, not one per token. Raises TimeoutError when nothing arrives
         for `idle_timeout_s` (give or take a quarter of it: one watchdog checks every follower, where
-        a timer per wait cost a tenth of the gateway's time per token)."""
+        a timer per wait would cost the gateway time on every token)."""
         key = stream_key(job_id)
         me = _Follower(last_id, idle_timeout_s, asyncio.get_running_loop().time())
         shard = self._shards[shard_of(job_id, len(self._shards))]
@@ -157,7 +158,7 @@ class StreamHub:
         entries that other writers add without a tick (a task's attempt marker, a client's cancel of a
         queued job) arrive within that.
         A wait that ends with no tick reads nothing: reading every stream then (every block_ms between
-        a worker's writes) was a fifth of Redis' XREAD time at 64 streams, an eighth at 256 (bench.serve)."""
+        a worker's writes) would spend Redis' time on reads that find nothing new."""
         loop = asyncio.get_running_loop()
         tick, named, everything, last_full = "0-0", set(), True, 0.0
         while not self._closing:
@@ -198,7 +199,7 @@ class StreamHub:
             except aredis.RedisError as e:  # Redis away: tell nobody yet, retry (followers time out on their own)
                 log.warning("stream hub: %s; retrying", e)
                 everything = True
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(RETRY_S)
 
     def _deliver(self, shard: _Shard, resp, now: float) -> bool:
         """Hands a raw XREAD reply to the followers; True when a stream had more than one read's worth."""

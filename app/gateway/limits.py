@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 DEFAULT_CONCURRENT_PER_KEY = 32  # a quarter of one worker's default CONCURRENCY (128)
 DEFAULT_RATE_PER_KEY = 10.0  # requests per second, in bursts of as many
+MAX_BUCKETS = 100_000  # rate buckets kept before the idle clients' (full again anyway) are forgotten
+SERVING_REFRESH_S = 2.0  # the workers' limits are read again from their heartbeats this often
 
 
 def resolved(value: float | str, keys: bool, default: float) -> float:
@@ -51,7 +53,7 @@ class ClientLimits:
             if b.tokens < 1:
                 return (1 - b.tokens) / self.rate_per_s
             b.tokens -= 1
-            if len(self.buckets) > 100_000:  # forget idle clients (their buckets are full again anyway)
+            if len(self.buckets) > MAX_BUCKETS:  # forget idle clients (their buckets are full again anyway)
                 self.buckets = {k: v for k, v in self.buckets.items() if v.tokens < size}
         self.inflight[client] = self.inflight.get(client, 0) + 1
         return None
@@ -78,7 +80,7 @@ def retry_after(seconds: float) -> str:
 
 
 class ServingLimits:
-    """The workers' limits, from their heartbeats (refreshed every 2 s)."""
+    """The workers' limits, from their heartbeats (refreshed every SERVING_REFRESH_S)."""
 
     def __init__(self, workers: Callable[[], dict[str, dict]]) -> None:
         self._workers = workers
@@ -89,7 +91,7 @@ class ServingLimits:
     def max_total_tokens(self) -> int:
         """The smallest prompt + output limit among live workers; 0 when none is known."""
         now = time.monotonic()
-        if now - self._at > 2.0:
+        if now - self._at > SERVING_REFRESH_S:
             workers = list(self._workers().values())
             self._limit = min((w.max_total_tokens for w in workers if w.max_total_tokens > 0), default=0)
             self._structured = any(w.structured for w in workers) if workers else None

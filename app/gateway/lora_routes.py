@@ -16,6 +16,7 @@ from .core import Gateway
 from .errors import HTTPError
 
 WAIT_S = 30.0  # how long a load or unload waits for the workers to follow
+POLL_S = 0.2  # how often it looks meanwhile (the workers follow within a second)
 
 
 def register(app: FastAPI, gw: Gateway) -> None:
@@ -43,7 +44,7 @@ def register(app: FastAPI, gw: Gateway) -> None:
             if why is not None:
                 await asyncio.to_thread(r.hdel, LORA_ADAPTERS, name)  # the pool does not keep wanting it
                 raise HTTPError(400, f"LoRA adapter '{name}' could not be loaded: {why.decode()}", "lora_path")
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(POLL_S)
         raise HTTPError(504, f"LoRA adapter '{name}': no worker has loaded it within {WAIT_S:.0f} s", None, "timeout")
 
     @app.post("/v1/unload_lora_adapter")
@@ -58,7 +59,7 @@ def register(app: FastAPI, gw: Gateway) -> None:
         loop = asyncio.get_running_loop()
         end = loop.time() + WAIT_S
         while name in gw.adapters() and loop.time() < end:
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(POLL_S)
         if name in gw.adapters():
             raise HTTPError(
                 504, f"LoRA adapter '{name}': a worker still serves it after {WAIT_S:.0f} s", None, "timeout"

@@ -1,14 +1,14 @@
 """Group commit of the gateway's submissions: the requests that arrive while one batch is being written
 go together in the next, two Redis round trips for the lot (Client.submit_many).
 
-Submitting one job at a time from a thread pool cost five round trips and a thread hop per job: with
-256 requests arriving at once, the last one reached its queue 1.1-1.5 s after it was sent
-(bench.serve, session 9), while the engine could have admitted it in the first step.
+Submitting one job at a time from a thread pool costs five round trips and a thread hop per job: in a
+burst of requests the last would reach its queue long after the engine could have admitted it in its
+first step.
 
 A batch takes the pending requests tenant by tenant in turn (each tenant's in order), and holds at most
-MAX_BATCH: a request of one tenant waits behind one batch, not behind another tenant's flood of a
-thousand pending submissions (bench.queueing: a light tenant's TTFT p99 was 6 s beside one), and a
-batch is small enough that waiting behind one costs little.
+MAX_BATCH: a request of one tenant waits behind one batch, not behind another tenant's flood of
+pending submissions (which would show in the light tenant's TTFT), and a batch is small enough that
+waiting behind one costs little.
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from weightq.tasks.request import JobRequest
 log = logging.getLogger(__name__)
 
 
-# past ~30 jobs a batch saves few more round trips per job, and a batch is what another tenant's
-# request waits behind: 128 took 0.2-0.45 s to write beside a flood on a busy machine (bench.queueing,
-# two workers: the light tenant's whole gateway part), 32 takes a quarter of that
+# past a few dozen jobs a batch saves few more round trips per job, and a batch is what another
+# tenant's request waits behind: its write takes longer the more jobs it holds, so it stays small
 MAX_BATCH = 32
 
 

@@ -2,10 +2,10 @@
 TURNS_PER_TENANT at a time, the rest of that tenant's in order behind them.
 
 The event loop runs every ready request in arrival order: when one tenant sends a thousand requests at
-once, a request of another tenant that arrives just after waited for the thousand to be parsed and
-submitted first (bench.queueing: 0.4 s of a light tenant's TTFT p99 beside a flood on two workers,
-1.3 s on four). With turns, it waits behind two group commits' worth of each other tenant's: the
-gateway spends the same CPU on the flood, in an order that keeps the light tenant's share.
+once, a request of another tenant that arrives just after would wait for the thousand to be parsed and
+submitted first, and that wait grows with the flood. With turns, it waits behind two group commits'
+worth of each other tenant's: the gateway spends the same CPU on the flood, in an order that keeps the
+light tenant's share.
 A body is read before the turn, so a client that trickles its body never holds one, and a request
 whose client went away while it waited (uvicorn does not cancel its handler) passes its turn on.
 """

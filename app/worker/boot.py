@@ -27,6 +27,12 @@ from .to_engine import engine_config
 
 log = logging.getLogger(__name__)
 
+# The worker's exit status when its engine process dies: EX_SOFTWARE from sysexits.h (an internal
+# failure, not a usage or configuration error), the convention celery.platforms' exit codes follow.
+ENGINE_DIED_EXIT = 70
+# Redis connections beyond one per task thread: the host's loops and the stream writer.
+EXTRA_CONNECTIONS = 16
+
 POOL_ADVICE = (
     "weightq hosts one engine per worker process and needs the threads pool: run "
     "`weightq worker` or `celery -A weightq worker -P threads -c 128`"
@@ -44,7 +50,7 @@ def _exit_worker(message: str) -> None:
     worker to run again (as if the worker itself had been killed), never failing them."""
     log.critical("%s: the worker exits so that its jobs are redelivered", message)
     logging.shutdown()
-    os._exit(70)
+    os._exit(ENGINE_DIED_EXIT)
 
 
 def pool_sized(settings: Settings, worker) -> Settings:
@@ -73,14 +79,14 @@ class EngineStep(bootsteps.StartStopStep):
         settings = pool_sized(Settings.from_env().check(), worker)
         instance = new_instance(worker.hostname)
         # A connection for every task thread, plus the host's loops and the stream writer: redis-py 8
-        # caps a pool at 100 by default and then raises instead of waiting (at a warm shutdown, 128
-        # task threads requeueing at once ran out). Named for the instance: its liveness (reaper.py).
+        # caps a pool at 100 by default and then raises instead of waiting, and at a warm shutdown every
+        # task thread requeues its job at once. Named for the instance: its liveness (reaper.py).
         # The streams and job state may live on a Redis of their own (STREAMS_REDIS_URL): then a second
         # client reaches the broker's keys (the reaper's restores, the lease's re-stamps, recovery).
         broker_url = settings.redis.resolved_url()
         named = {"socket_timeout": 30, "health_check_interval": 10, "client_name": client_name(instance)}
         plane = TokenPlane.connect(
-            settings.redis, broker_url, max_connections=settings.worker.concurrency + 16, **named
+            settings.redis, broker_url, max_connections=settings.worker.concurrency + EXTRA_CONNECTIONS, **named
         )
         split = settings.redis.streams_urls(broker_url)[0] != broker_url
         broker = connect(broker_url, settings.redis, **named) if split else plane.home

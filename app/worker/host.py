@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["DeadLettered", "GenerationFailed", "WorkerHost"]
 
+HAND_OVER_S = 1.0  # a warm shutdown hands its own queue over again this often: clients route by heartbeats
+SHUTDOWN_POLL_S = 0.1  # how often a warm shutdown checks whether the engine is idle
+
 
 class WorkerHost:
     def __init__(
@@ -125,9 +128,6 @@ class WorkerHost:
         pending = loops.pipe_counts(self.inflight, self.consumer)[0]
         return max(0, min(self.engine.room_for(), self.settings.worker.concurrency - len(self.inflight)) - pending)
 
-    def recover_lost_jobs(self) -> list[str]:
-        return self.sweeper.sweep()
-
     def stats(self) -> dict:
         s = self.settings
         stats = self.engine.stats() | {
@@ -172,10 +172,10 @@ class WorkerHost:
         deadline = time.monotonic() + self.settings.worker.shutdown_grace_s
         handed = 0.0
         while time.monotonic() < deadline and not self.engine.idle():
-            if time.monotonic() >= handed:  # again each second: clients route by heartbeats a second old
+            if time.monotonic() >= handed:  # every HAND_OVER_S: clients route by heartbeats a second old
                 self._hand_over_own_queue()
-                handed = time.monotonic() + 1.0
-            time.sleep(0.1)
+                handed = time.monotonic() + HAND_OVER_S
+            time.sleep(SHUTDOWN_POLL_S)
         self._hand_over_own_queue()
         self.publisher.requeueing = True
         self.inflight.close()  # jobs waiting to enter (behind one running alone) go back to the queue

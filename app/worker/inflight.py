@@ -27,8 +27,8 @@ class InFlight:
         self._started: dict[str, float] = {}
         self._tags: dict[str, str] = {}  # job id -> its message's delivery tag (for lease renewal)
         # Tags of jobs that left the engine, their messages not yet acked: a task acks only after its
-        # end entry is written and Celery's trace has run, which a wave of finishing jobs queues up
-        # (0.3-0.5 s on two busy cores). Counted as taken, they held the release of the next jobs.
+        # end entry is written and Celery's trace has run, which many jobs finishing at once queue up.
+        # Kept apart from the jobs taken but not started, so they do not hold the release of the next jobs.
         self._left: dict[str, None] = {}  # in the order they left; the oldest go past LEFT_KEPT
         self._alone: str | None = None  # the job running alone, if one is
         self._waiting_alone = 0

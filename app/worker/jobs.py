@@ -22,6 +22,7 @@ from weightq.tasks.contract import (
     BEGIN,
     DEAD,
     FAIL,
+    INSTANCE_SETS_TTL_S,
     LEASES,
     QUEUED,
     REQUEUE,
@@ -204,7 +205,9 @@ class JobRunner:
         # finished job with its end entry or a running one that its redelivery runs again.
         written = self.publisher.runs.begin(job_id, attempt, extra)
         key, shard = engine_jobs_key(self.instance), self.plane.of(job_id)  # the shard's own set (reaper.py)
-        self.retrying(lambda: shard.pipeline(transaction=False).sadd(key, job_id).expire(key, 86_400).execute())
+        self.retrying(
+            lambda: shard.pipeline(transaction=False).sadd(key, job_id).expire(key, INSTANCE_SETS_TTL_S).execute()
+        )
         try:
             final = self.engine.submit(request).result()
             return final, written.wait(self.settings.redis.retry_s)

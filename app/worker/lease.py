@@ -16,7 +16,7 @@ import uuid
 
 import redis
 from weightq.settings import WorkerSettings
-from weightq.tasks.contract import LEASES, held_key, lease_key
+from weightq.tasks.contract import INSTANCE_SETS_TTL_S, LEASES, held_key, lease_key
 from weightq.token_plane import TokenPlane
 
 CLIENT_PREFIX = "weightq-worker:"  # a worker's Redis connections are named this and its instance
@@ -53,7 +53,7 @@ class WorkerLease:
                 pipe.sadd(key, *added)
             if gone:
                 pipe.srem(key, *gone)
-            pipe.expire(key, 86_400)
+            pipe.expire(key, INSTANCE_SETS_TTL_S)
             try:
                 pipe.execute()
             except redis.RedisError as e:

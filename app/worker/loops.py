@@ -1,6 +1,6 @@
 """The worker's background loops, one concern each:
 - cancellation: a client's cancel (published on a channel) or a Celery revoke reaches the engine
-  within ~50 ms; the job's cancel flag stays in Redis for a run that starts later;
+  within CANCEL_POLL_S; the job's cancel flag stays in Redis for a run that starts later;
 - leases: the worker re-stamps its in-flight messages in kombu's `unacked_index`, so only a
   dead worker's jobs outlive the visibility timeout and are redelivered (its own lease, and the
   reaper that resumes a dead worker's jobs within seconds, are lease.py and reaper.py);
@@ -28,9 +28,13 @@ from .inflight import InFlight
 
 log = logging.getLogger(__name__)
 
+RESTART_S = 1.0  # the pause before a loop that raised runs again (Redis away: no busy retrying)
+CANCEL_POLL_S = 0.05  # one pass over the cancel channels: how late a cancel may reach the engine
+HEARTBEAT_S = 1.0  # how often the worker publishes its stats (clients route by them)
+
 
 def run_guarded(name: str, loop: Callable[[], None], stop: threading.Event) -> threading.Thread:
-    """Run `loop` on a daemon thread until `stop`, restarting it (after a second) if it raises."""
+    """Run `loop` on a daemon thread until `stop`, restarting it (after RESTART_S) if it raises."""
 
     def run() -> None:
         while not stop.is_set():
@@ -41,7 +45,7 @@ def run_guarded(name: str, loop: Callable[[], None], stop: threading.Event) -> t
                     log.warning("the %s loop: Redis unavailable (%s); restarting it", name, e)
                 else:
                     log.exception("the %s loop failed; restarting it", name)
-                stop.wait(1.0)
+                stop.wait(RESTART_S)
 
     t = threading.Thread(target=run, name=f"weightq-{name}", daemon=True)
     t.start()
@@ -59,7 +63,7 @@ def cancel_loop(shards: list[redis.Redis], engine: AnyEngine, inflight: InFlight
             pubsub.subscribe(CANCEL_CHANNEL)
         while not stop.is_set():
             for pubsub in subs:
-                message = pubsub.get_message(timeout=0.05 / len(subs))
+                message = pubsub.get_message(timeout=CANCEL_POLL_S / len(subs))
                 if message is not None:
                     data = message["data"]
                     engine.cancel(data.decode() if isinstance(data, bytes) else data)
@@ -134,5 +138,5 @@ def delivery_tag_of(consumer: Any, job_id: str) -> str | None:
 
 
 def heartbeat_loop(client: redis.Redis, hostname: str, stats: Callable[[], dict], stop) -> None:
-    while not stop.wait(1.0):
+    while not stop.wait(HEARTBEAT_S):
         client.hset(HEARTBEATS, hostname, heartbeat.encode(stats()))

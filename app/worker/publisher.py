@@ -42,6 +42,9 @@ SHUTDOWN = "worker shutdown"  # the error of requests the engine stops at a warm
 # this many times, then its jobs end with an error entry (ABORT) and the writer goes on.
 REFUSED_TRIES = 3
 TOPS_KEPT = 65_536  # streams whose last id a writer remembers (WRITE_BATCH), at most
+RETRY_S = 0.5  # the pause before a write Redis failed or refused is tried again
+REPLICA_RETRY_S = 0.1  # ... one the master applied but its replicas had not confirmed yet
+WRITER_JOIN_S = 10.0  # how long close() waits for each writer thread to finish what it holds
 
 
 class StreamPublisher:
@@ -128,7 +131,7 @@ class StreamPublisher:
         for batches in self._batches:
             batches.put(None)
         for writer in self._writers:
-            writer.join(10)
+            writer.join(WRITER_JOIN_S)
 
     def _write_loop(self, shard: int) -> None:
         """Each pass: the steps that arrived, held per stream (`Holding`), then what is due."""
@@ -171,14 +174,14 @@ class StreamPublisher:
             except redis.RedisError as e:
                 if is_transient(e):  # Redis restarting or failing over: one line, not a traceback
                     log.warning("writing %d stream entries: %s; retrying", len(entries), e)
-                    time.sleep(0.1 if isinstance(e, NotReplicated) else 0.5)
+                    time.sleep(REPLICA_RETRY_S if isinstance(e, NotReplicated) else RETRY_S)
                     continue
                 refused += 1
                 if refused >= REFUSED_TRIES:
                     self._abort(entries, e, fences)
                     return
                 log.warning("writing %d stream entries refused: %s; retrying", len(entries), e)
-                time.sleep(0.5)
+                time.sleep(RETRY_S)
 
     def _abort(self, entries: list[tuple], error: redis.RedisError, fences: dict[str, int] | None = None) -> None:
         """Redis keeps refusing this batch: its jobs end with an error entry (ABORT, which gets

@@ -33,6 +33,9 @@ from .affinity import own_queues
 
 log = logging.getLogger(__name__)
 
+SWEEP_JOBS = 500  # queued jobs (the oldest) and resuming ones (a random sample) a sweep checks on each shard
+SCAN_PAGE = 1000  # messages read from the broker per command while a sweep looks for its jobs
+
 
 class LostJobSweeper:
     """`plane` reaches the jobs (the streams' Redis, or its shards), `broker` the queue's lists and
@@ -75,10 +78,12 @@ class LostJobSweeper:
         old = [
             (raw_id.decode(), queued_at)
             for shard in plane.shards
-            for raw_id, queued_at in shard.zrangebyscore(QUEUED, "-inf", cutoff, start=0, num=500, withscores=True)
+            for raw_id, queued_at in shard.zrangebyscore(
+                QUEUED, "-inf", cutoff, start=0, num=SWEEP_JOBS, withscores=True
+            )
         ]
         # jobs a dead worker's reaper sent back and no run has begun since (their message may be lost)
-        resuming = sorted(j.decode() for shard in plane.shards for j in shard.srandmember(RESUMING, 500))
+        resuming = sorted(j.decode() for shard in plane.shards for j in shard.srandmember(RESUMING, SWEEP_JOBS))
         if not old and not resuming:
             self._suspects.clear()
             return []
@@ -144,11 +149,11 @@ class LostJobSweeper:
 
         scan(self.broker.hvals("unacked"))
         for name in lists:
-            for start in range(0, self.broker.llen(name), 1000):
-                scan(self.broker.lrange(name, start, start + 999))
+            for start in range(0, self.broker.llen(name), SCAN_PAGE):
+                scan(self.broker.lrange(name, start, start + SCAN_PAGE - 1))
         for name in (key for q in staging for key in staged_sets(q)):
-            for start in range(0, self.broker.zcard(name), 1000):
-                scan(self.broker.zrange(name, start, start + 999))
+            for start in range(0, self.broker.zcard(name), SCAN_PAGE):
+                scan(self.broker.zrange(name, start, start + SCAN_PAGE - 1))
         return found
 
 

@@ -2,10 +2,10 @@
 
 Celery's `_store_result` first GETs the stored result (so that a duplicate run cannot overwrite a
 SUCCESS), decodes it, then sets the new one and publishes it in a MULTI/EXEC: two round trips and
-four commands per task, about a millisecond of the worker's CPU for every job (a fifth of what a
-one-token job costs it). Here one script does the same check and writes, atomically (Celery's check
-and set could race). Results are stored and published exactly as Celery's own backend does (same key,
-value, expiry and channel), so any Celery app reads them with the stock backend.
+four commands per task, a sizeable share of the worker's CPU for a short job. Here one script does the
+same check and writes, atomically (Celery's check and set could race). Results are stored and
+published exactly as Celery's own backend does (same key, value, expiry and channel), so any Celery
+app reads them with the stock backend.
 """
 
 from __future__ import annotations

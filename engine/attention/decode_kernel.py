@@ -5,8 +5,8 @@ sinks, a V head size of its own). Two kernels, both reading each sequence's bloc
 instead of copying a padded batch of contexts every layer (the eager path: index_select + SDPA):
 - `CppDecode` (CPU, float32): a hand-written vectorised C++ kernel (decode_kernel.cpp) built at
   start-up by inductor's C++ toolchain, specialised on the head size and head counts. Each row stops
-  at its own length, so one call serves every decode row of a step. Measured at 256 sequences x ~200
-  tokens, one thread: 2x faster than the inductor kernel below.
+  at its own length, so one call serves every decode row of a step, with no padding to a group's
+  longest: faster than the inductor kernel below wherever it builds.
 - `paged_decode` under torch.compile: the same attention as plain tensor algebra; inductor fuses the
   block-table gather into the reductions. Rows are padded to the group's longest, so the runner
   groups rows by length. It serves other dtypes and shapes the C++ kernel does not build for.

@@ -60,7 +60,7 @@ def add_varlen(meta: StepMeta, prefill: list[Work], decode: list[Work], bs: int,
         cols = []
         for g in range(kind.pages):
             # past a sequence's own blocks (its ring may hold fewer units than R): any page, the kernel
-            # reads none of them (found by the CPU stand-in: an IndexError on every mixed step)
+            # reads none of them (looking them up in the ring would index past its end)
             rows = [
                 [w.seq.sched.rings[r][(j % kind.ring) * kind.pages + g] if j < -(-kl // bs) else 0 for j in range(nb)]
                 for w, kl in zip(works, k_lens, strict=True)

@@ -258,7 +258,7 @@ class Engine:
             logits = isolate(runner, self.batcher, self._finish, prefill, decode, e)
         if outputs.deferred:
             # The last step's text and events, while an asynchronous device computes, and out at once:
-            # held to the end of this step they waited a whole step more (their emit stamp hid it).
+            # held to the end of this step they would wait a whole step more (their emit stamp hides it).
             outputs.finish_deferred()
             self._flush_sink()
         runner.synchronize()

@@ -2,7 +2,8 @@
 request's adapter on that request's rows only, the base rows untouched. The step's rows of each adapter
 present are gathered into one batch row (padded to the longest), then two batched matmuls with the
 present slots' A and B (a gathered LoRA matmul, not one batch per adapter). A loop over the adapters
-cost 3x at 8 adapters; multiplying every row by every slot's A, masked, cost the whole stack's FLOPs.
+costs a matmul pair per adapter present, growing with their number; multiplying every row by every
+slot's A, masked, costs the whole stack's FLOPs.
 
 Under torch.compile the delta is one opaque op per layer (like paged attention's, attention/paged.py)
 that reads the step's rows from the runner's context, so a step's mix of adapters changes no graph.
@@ -42,7 +43,7 @@ class LoraLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        if torch.compiler.is_compiling():  # the add is fused with what follows; an op adding in place was slower
+        if torch.compiler.is_compiling():  # the add is fused with what follows; an op adding in place is slower
             return y + torch.ops.weightq.lora_delta(x, self.index, self.out_features)
         if not getattr(_step, "segments", None):
             return y
@@ -157,7 +158,7 @@ class Resident:
         [slots, longest, in] (padded with row 0), so every layer's delta is two batched matmuls, each
         row multiplied only by its own adapter; the padding lands on a spare row past the step's. Every
         slot, or only the present ones' (copied out of the stacks) when the padding would cost more.
-        (Every row times every slot's A, masked to its own, was slower even for decode steps: the
+        (Every row times every slot's A, masked to its own, is slower even for decode steps: the
         stack's FLOPs.)"""
         mine = {self.slots[name]: rows for name, rows in segments}
         longest = max(len(rows) for rows in mine.values())

@@ -18,10 +18,9 @@ def own_process(mode: str, config: EngineConfig) -> bool:
     """ENGINE_PROCESS: "on", "off", or "auto": on where the device is not the CPU (CUDA, and the
     simulated device that stands for one), and on the CPU where the engine's threads
     (`config.torch_threads`, set: a worker's come from setup.serving_threads) leave a core to the
-    rest of the process. There the engine's thread no longer waits for the GIL behind Celery's
-    threads and the stream writer (bench.serve, alternating stacks: 3,260 tok/s against 2,611 for the
-    same single thread in the worker's process). With every core in the forward's team the extra process and
-    its per-step message cost more than the GIL they free (1,174-1,286 vs 1,215-1,540 tok/s)."""
+    rest of the process. There the engine's thread does not wait for the GIL behind Celery's threads
+    and the stream writer, as it would in the worker's process. With every core in the forward's team
+    the extra process and its per-step message cost more than the GIL they free."""
     if mode in ("on", "off"):
         return mode == "on"
     if config.runner == "simulated":

@@ -25,7 +25,7 @@ STATS_EVERY_S = 0.1  # a stats snapshot rides on a step message at most this oft
 
 class StepSender:
     """The child engine's sink: a step's events leave as one message, sent from the engine thread at
-    the end of the step (a sender thread waited for the GIL behind the forward pass: p99 +300 ms)."""
+    the end of the step (a sender thread would wait for the GIL behind the forward pass, delaying tokens)."""
 
     def __init__(self, out: Connection) -> None:
         self.out = out

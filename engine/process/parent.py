@@ -28,6 +28,10 @@ from .messages import Cancel, Command, Failed, LoadAdapter, Ready, Step, Stop, S
 
 log = logging.getLogger(__name__)
 
+REAP_S = 5.0  # how long to wait for a child that was killed, or died, to be reaped
+START_POLL_S = 0.5  # while the child starts, how often the parent checks that it is still alive
+FAILED_EXIT_S = 10.0  # a child that failed to start exits on its own: how long to wait for it
+
 
 class EngineDied(RuntimeError):
     """The engine process exited without being asked to."""
@@ -158,7 +162,7 @@ class EngineProcess:
         self._proc.join(timeout)
         if self._proc.is_alive():
             self._proc.kill()
-            self._proc.join(5)
+            self._proc.join(REAP_S)
         # A submit that raced the stop reached a child no longer reading: it ends as the others did.
         with self._lock:
             left = list(self._handles.values())
@@ -182,7 +186,7 @@ class EngineProcess:
 
     def _recv_start(self, timeout: float) -> Ready:
         deadline = time.monotonic() + timeout
-        while not self._from_child.poll(0.5):
+        while not self._from_child.poll(START_POLL_S):
             if not self._proc.is_alive():
                 raise EngineDied(f"the engine process exited ({self._proc.exitcode}) while starting")
             if time.monotonic() > deadline:
@@ -190,7 +194,7 @@ class EngineProcess:
                 raise EngineDied(f"the engine process did not start within {timeout} s")
         msg = self._from_child.recv()
         if isinstance(msg, Failed):
-            self._proc.join(10)
+            self._proc.join(FAILED_EXIT_S)
             raise msg.error if isinstance(msg.error, BaseException) else EngineDied(msg.error)
         assert isinstance(msg, Ready), msg
         return msg
@@ -244,7 +248,7 @@ class EngineProcess:
             log.exception("event sink failed for %s", event.request_id)
 
     def _died(self) -> None:
-        self._proc.join(5)
+        self._proc.join(REAP_S)
         with self._lock:
             expected = self._stopping
             inside = list(self._handles.values())

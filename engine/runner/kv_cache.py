@@ -196,11 +196,6 @@ class KVCache:
             self.k = [torch.zeros(k_shape, dtype=g.dtype, device=device) for _ in range(layout.group_size)]
             self.v = [torch.zeros(v_shape, dtype=g.dtype, device=device) for _ in range(layout.group_size)]
 
-    @property
-    def capacity_tokens(self) -> int:
-        """The batcher's budget in slots."""
-        return self.num_blocks * self.block_size
-
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy pages (every pool): a prefix-cache hit's window blocks into the request's ring."""
         if not src:

@@ -19,6 +19,8 @@ from .kv_cache import AttentionKind
 if TYPE_CHECKING:
     from .base import Work
 
+ARANGE_START = 4096  # positions the reusable arange holds at first; it doubles when a step needs more
+
 
 class MetaBuilder:
     """Per-step metadata for every attention kind of a layout; holds the small reusable tensors."""
@@ -28,7 +30,7 @@ class MetaBuilder:
         self.device = device
         self.ragged = ragged  # the decode kernel takes rows of any length in one call
         self.flash = flash  # flash-attn builds its own varlen view (no decode groups)
-        self._ar = torch.arange(4096)
+        self._ar = torch.arange(ARANGE_START)
 
     def arange(self, n: int) -> torch.Tensor:
         if n > len(self._ar):

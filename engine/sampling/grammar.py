@@ -30,7 +30,7 @@ import torch
 from ..params import InvalidRequest
 from .grammar_spec import GrammarError, available, compile_spec, xgrammar
 
-CACHE_SIZE = 256  # compiled grammars kept (a schema compiles in ~1-100 ms) ...
+CACHE_SIZE = 256  # compiled grammars kept (a compile costs far more than a lookup) ...
 CACHE_BYTES = 256 * 2**20  # ... and at most this much of them (xgrammar's own cache is off)
 REFUSED_SIZE = 1024  # specs refused lately: sent again, refused at once, not compiled again
 

@@ -1,10 +1,10 @@
 """A grammar's first compile, in a helper process that is killed past a deadline or a memory limit.
 
-xgrammar's compile time is no simple function of a schema's size: 3,000 optional properties in 90 KB
-took 255 s on 2 cores, and a compile cannot be interrupted in the process that runs it. So a spec the
-engine has not compiled before is compiled here first, in a child process under RLIMIT_AS; a compile
-past `timeout_s` kills the child (a fresh one starts for the next spec) and the request is refused,
-and so is one that runs out of memory. A spec that passes compiles again in the engine, where it is
+xgrammar's compile time is no simple function of a schema's size: a few thousand optional properties,
+small as text, can take minutes, and a compile cannot be interrupted in the process that runs it. So a
+spec the engine has not compiled before is compiled here first, in a child process under RLIMIT_AS; a
+compile past `timeout_s` kills the child (a fresh one starts for the next spec) and the request is
+refused, and so is one that runs out of memory. A spec that passes compiles again in the engine, where it is
 known to take about as long (the engine caches it; the trial keeps nothing).
 
 The child is `python -m weightq.engine.sampling.grammar_trial`, a plain subprocess (the engine's own process is

@@ -66,7 +66,7 @@ class StopMatcher:
     of the longest suffix of the text that begins it, so the text to hold back is the longest state,
     and a character costs only the stops it continues or begins. Memory is one failure table per
     stop (32 stops of 256 characters: 8,192 small integers), where every prefix of every stop, kept
-    as a string, was a megabyte a request."""
+    as a string, would be a megabyte a request."""
 
     def __init__(self, stops: tuple[str, ...]) -> None:
         self.stops = stops
