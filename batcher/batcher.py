@@ -282,12 +282,7 @@ class Batcher:
             dominated = hit is NO_HIT and any(
                 c <= ctx and r <= res and f <= fix and c - f <= ctx - fix and x >= budget for c, r, f, x in refused
             )
-            if (
-                not dominated
-                and fair
-                and cfg.fair_preemption
-                and (full or not self.fits(probe, chunk, ahead, limit, counted=False))
-            ):
+            if not dominated and fair and cfg.fair_preemption and (full or not self.fits(probe, chunk, ahead, limit)):
                 victims = for_tenant(
                     probe,
                     self.projector.own_final(probe),
@@ -307,7 +302,7 @@ class Batcher:
                 background
                 and not dominated
                 and -keys[cand.id][0] >= floor
-                and (full or not self.fits(probe, chunk, ahead, limit, counted=False))
+                and (full or not self.fits(probe, chunk, ahead, limit))
             ):
                 admits = with_slot(cap, len(running), self._admits_without(probe, chunk, ahead, limit))
                 victims = for_class(running.values(), queue.rank, floor, self.step, admits)
@@ -318,7 +313,7 @@ class Batcher:
                     break
                 capped.add(cand.tenant)
                 continue
-            if dominated or not self.fits(probe, chunk, ahead, limit):
+            if dominated or not self._decide(probe, chunk, ahead, limit):
                 if not dominated and hit is NO_HIT and len(refused) < DOMINANCE_MEMORY:
                     refused.append((ctx, res, fix, budget))
                 blocked.setdefault(key, cand)
@@ -356,22 +351,23 @@ class Batcher:
             budget -= self.adapters.extra_weight(cand.adapter)
         return budget, budget - (self.paging.pinned_pages + pinning) * self.weight.block_size
 
-    def fits(
-        self, req: Request, chunk: int | None = None, ahead: int = 0, limit: int | None = None, counted: bool = True
-    ) -> bool:
+    def fits(self, req: Request, chunk: int | None = None, ahead: int = 0, limit: int | None = None) -> bool:
         """Could `req` (reservation set) start now, the weight never over `limit` (default: its budget)?
-        A question: only the counters of `counted` answers change."""
+        A question: nothing changes."""
         chunk = req.prefill_left if chunk is None else chunk
         limit = self._budget_for(req)[1] if limit is None else limit
+        return self._policy_fits(req, chunk, ahead, limit)[0]
+
+    def _decide(self, req: Request, chunk: int, ahead: int, limit: int) -> bool:
+        """The walk's check of a candidate, counted in the stats (by the naive sum, projected, refused)."""
         ok, fast = self._policy_fits(req, chunk, ahead, limit)
-        if counted:
-            st = self.stats
-            if fast:
-                st.admitted_fast += 1
-            elif ok:
-                st.admitted_projected += 1
-            else:
-                st.rejected_projected += 1
+        st = self.stats
+        if fast:
+            st.admitted_fast += 1
+        elif ok:
+            st.admitted_projected += 1
+        else:
+            st.rejected_projected += 1
         return ok
 
     def _policy_fits(self, req: Request, chunk: int, ahead: int, limit: int) -> tuple[bool, bool]:

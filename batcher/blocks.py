@@ -71,9 +71,6 @@ class BlockLedger:
             n += 1
         return n
 
-    def is_held(self, key: bytes) -> bool:
-        return self._ref[self._block_of[key]] > 0
-
     def lookup(self, keys: Sequence[bytes]) -> list[int] | None:
         """The pages of `keys` if every one is cached (held or idle), else None."""
         pages = []
@@ -151,6 +148,12 @@ class BlockLedger:
         """Drop `table`'s references (a block table, or a ring). Its last blocks are released first, so
         they are evicted first: a prefix's first blocks are the most shared and stay cached longest."""
         ref, key_of, free, idle = self._ref, self._key_of, self._free, self._idle  # hoisted: every finish runs this
+        if not self.caching:  # no block is shared or keyed: each of them is free again
+            for page in table:
+                ref[page] = 0
+            free.extend(reversed(table))
+            table.clear()
+            return
         for page in reversed(table):
             left = ref[page] - 1
             ref[page] = left

@@ -43,6 +43,9 @@ class PrefillLoad:
     cached: list[tuple[Request, int, Set[str]]] = field(default_factory=list)
 
 
+MEAN_OVER = 50  # finished requests the mean output follows (a moving average past the first ones)
+
+
 @dataclass(slots=True)
 class BatcherStats:
     admitted: int = 0
@@ -59,6 +62,6 @@ class BatcherStats:
     finished: int = 0
 
     def finish(self, generated: int) -> None:
-        """A request ended with `generated` tokens: the average of the last ~50 (the first ones exactly)."""
+        """A request ended with `generated` tokens: the average of the last ~MEAN_OVER (the first ones exactly)."""
         self.finished += 1
-        self.mean_output += (generated - self.mean_output) / min(self.finished, 50)
+        self.mean_output += (generated - self.mean_output) / min(self.finished, MEAN_OVER)

@@ -14,6 +14,8 @@ from .projection import Entry, PaddedProfile, TokenProfile
 from .request import Request
 from .weight import PaddedWeight, TokenWeight
 
+TYPICAL_OVER = 8  # admissions the typical reserved weight follows (an exponential moving average)
+
 
 class Projector:
     REBUILD_AFTER = 32  # more entry changes than this before a decision: rebuild the profile instead
@@ -61,7 +63,7 @@ class Projector:
         returns its own reserved weight."""
         w = self.own_final(req)
         self.set_entry(req.id, self.entry(req, chunk, ahead, step))
-        self.typical = w if not self.typical else (7 * self.typical + w) // 8
+        self.typical = w if not self.typical else self.typical + (w - self.typical) // TYPICAL_OVER
         self.prefilling[req.id] = req
         return w
 
