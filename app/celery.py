@@ -19,7 +19,16 @@ from .worker.result_backend import one_trip
 
 
 class WorkerCelery(Celery):
-    """The worker's app: Celery's, with each task's result stored in one round trip (app/worker/result_backend.py)."""
+    """The worker's app: Celery's, with each task's result stored in one round trip
+    (app/worker/result_backend.py), and the settings it was configured with, which its bootsteps and
+    signal handlers read (they never read the environment themselves)."""
+
+    settings: Settings
+
+    def configure(self, settings: Settings) -> None:
+        """Run on `settings`: Celery's configuration from them (celery_config.py), and them for the worker."""
+        self.settings = settings
+        self.config_from_object(celery_config(settings))
 
     def _get_backend(self):
         cls, url = backends.by_url(self.backend_cls or self.conf.result_backend, self.loader)
@@ -27,7 +36,7 @@ class WorkerCelery(Celery):
 
 
 app = WorkerCelery("weightq", include=["weightq.tasks.generate"])
-app.config_from_object(celery_config(Settings.from_env()))
+app.configure(Settings.from_env())  # `celery -A weightq worker`; `weightq worker` configures it again
 app.steps["worker"].add("weightq.worker.boot:EngineStep")
 app.steps["consumer"].add("weightq.worker.boot:ConsumerLink")
 
@@ -40,7 +49,7 @@ TASK_LOGGERS = ("celery.worker.strategy", "celery.app.trace")
 def _quiet_task_lines(loglevel: int | str | None = None, **_kwargs) -> None:
     """Two log lines a job are a sixth of a short job's cost in the worker: kept only when TASK_LOGS asks."""
     level = logging.getLevelName(loglevel) if isinstance(loglevel, str) else loglevel
-    if Settings.from_env().worker.task_logs or (isinstance(level, int) and level <= logging.DEBUG):
+    if app.settings.worker.task_logs or (isinstance(level, int) and level <= logging.DEBUG):
         return
     for name in TASK_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)

@@ -7,6 +7,7 @@ import ssl
 
 from .redis_conn import celery_options
 from .settings import Settings
+from .transport import BROKER_OPTION, BrokerClient
 
 
 def tls_options(s: Settings, url: str) -> dict:
@@ -61,6 +62,8 @@ def celery_config(s: Settings, url: str | None = None) -> dict:
             # a list per priority (tasks/limits.py: broker_priority), the most urgent taken first
             "priority_steps": list(range(10)),
             "queue_order_strategy": "priority",
+            # how the transport reaches the broker outside a channel (app/transport.py: a stale channel's ack)
+            BROKER_OPTION: BrokerClient(url, s.redis),
             **sentinel.get("broker_transport_options", {}),
         },
         **({"result_backend_transport_options": sentinel["result_backend_transport_options"]} if sentinel else {}),

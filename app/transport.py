@@ -1,14 +1,35 @@
-"""kombu's Redis transport, made to survive a Redis crash inside a long-lived worker.
+"""kombu's Redis transport, with weightq's fair staging, batched takes and acks, and survival of a Redis
+crash inside a long-lived worker.
 
-After a broker reconnect Celery's consumer gets a new channel, but tasks that were running keep
-their messages from the old one, whose connection is gone. Acking (or rejecting) such a message
-raised AttributeError deep in kombu, which Celery treats as unrecoverable: the worker stopped
-consuming for good. Here an ack on a stale channel is done directly in Redis instead (the same two
-deletions kombu would make), and a reject requeues the message the same way.
+- Staged messages (FAIR_QUEUE) go to a sorted set per class (`STAGE`, tasks/queue_scripts.py) instead
+  of a list; the worker releases them into the lists in fair order (app/worker/intake.py).
+- A consumer takes every message its prefetch allows in one script call after a BRPOP (`TAKE`), and
+  acks made on Celery's event loop leave Redis together at the end of its turn (`BatchedQoS`).
+- After a broker reconnect, tasks still running hold messages of the old channel: their ack or reject
+  is done directly in Redis (the same deletions kombu would make), and restoring unacked messages
+  when a channel closes is off (the visibility sweep of whichever worker runs next restores them).
 
-The restore of unacked messages when a channel closes is off as well: it failed the same way, and
-weightq does not need it (a job that must stop goes back with Reject; anything else left unacked is
-restored by the visibility sweep of whichever worker runs next).
+kombu internals this module still touches, and why (tests/app/test_kombu_edges.py fails, naming the
+one, when a kombu release changes any of them). The pin is kombu 5.7 with Celery 5.7; with Celery 5.6.3
+and kombu 5.6.2 the transport's own tests pass but prefix affinity's does not yet
+(tests/app/worker/test_affinity.py), so 5.6 is not supported:
+- `Channel._put`: a staged message is filed by STAGE instead of LPUSH (kombu 5.7 may pass a
+  `_publish_batch` pipeline, which the script joins).
+- `Channel._brpop_read`: a transient ResponseError (NOREPLICAS, READONLY) becomes a connection error,
+  which Celery reconnects after; after a BRPOP, TAKE takes the rest of the prefetch room.
+- `Channel._do_restore_message`: a restored message gets a fresh delivery tag and goes back to the
+  shared queue (not a worker's own).
+- `Channel._q_for_pri`, `Channel.sep`, `priority_steps`, `active_queues`, `_get_message_priority`,
+  `global_keyprefix`: the names of a queue's priority lists, which TAKE pops and a stale reject refills.
+- `Channel.unacked_key` / `unacked_index_key` and the unacked record ([payload, exchange, routing
+  key]): TAKE records what it takes as kombu's QoS.append would, so kombu's own ack, restore and
+  visibility sweep keep working on them; the reaper (app/worker/reaper.py) reads them too.
+- `Transport._deliver`: a message TAKE took is handed to the consumer as kombu's BRPOP path would.
+- `virtual.QoS.ack` / `virtual.QoS.append` (the base class's, past kombu's Redis writes): the prefetch
+  room of a batched ack is freed at once, and a message TAKE recorded is not recorded twice.
+- `virtual.QoS._delivered` / `_dirty`: what the consumer holds, which the intake counts
+  (app/worker/loops.py: pipe_counts, delivered_tags); read from other threads with a retry.
+- The event loop's public `on_tick` / `on_close` sets: the batched acks flush at the end of a turn.
 """
 
 from __future__ import annotations
@@ -26,6 +47,7 @@ from kombu.transport import virtual
 from weightq.tasks.contract import STAGE, fair_key, served_queue, staged_sets, staged_target
 
 from .redis_conn import FailoverAwareConnection, is_transient
+from .settings import RedisSettings
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +57,34 @@ TENANT_HEADER = "weightq_tenant"
 WEIGHT_HEADER = "weightq_weight"
 
 
-def _fresh_client() -> redis.Redis:
-    from .redis_conn import connect
-    from .settings import Settings
+BROKER_OPTION = "weightq_broker"  # the transport option that carries a BrokerClient (celery_config.py)
 
-    s = Settings.from_env()
-    return connect(s.redis.resolved_url(), s.redis, socket_timeout=10)
+
+class BrokerClient:
+    """A Redis client of its own for the broker a channel was opened on, from the settings the app was
+    configured with (celery_config.py passes it as a transport option): the ack or reject of a message
+    whose channel went with an old broker connection. Its repr hides the URL, which may hold a password."""
+
+    def __init__(self, url: str, settings: RedisSettings) -> None:
+        self.url, self.settings = url, settings
+
+    def __call__(self) -> redis.Redis:
+        from .redis_conn import connect
+
+        return connect(self.url, self.settings, socket_timeout=10)
+
+    def __repr__(self) -> str:
+        return "BrokerClient(<the broker's URL>)"
+
+    def __json__(self) -> str:
+        """What a worker's stats and conf show of it (kombu's JSON encoder asks for this)."""
+        return repr(self)
+
+
+def _fresh_client(channel) -> redis.Redis:
+    if channel.broker_client is None:
+        raise RuntimeError(f"the transport option {BROKER_OPTION!r} is unset: configure Celery with celery_config()")
+    return channel.broker_client()
 
 
 # Pop up to ARGV[1] messages from the lists (in order: the most urgent priority first) and record
@@ -85,6 +129,9 @@ class BatchedQoS(kombu_redis.QoS):
         self._acks: list[str] = []
         self._flushing_on = None  # the event loop whose turns flush the acks
         self._closed_loop = None
+        # the thread that consumes this channel's messages (Celery's event loop): an ack made there is
+        # flushed at the end of the loop's turn; anywhere else, at once
+        self.consumer_thread: int | None = None
 
     def ack(self, delivery_tag):
         hub = get_event_loop()
@@ -92,7 +139,7 @@ class BatchedQoS(kombu_redis.QoS):
             hub is None
             or hub is self._closed_loop  # acks run as the loop closes: it turns no more
             or self.channel.closed
-            or getattr(hub, "_loop_thread", None) != threading.get_ident()  # nothing there would flush it
+            or self.consumer_thread != threading.get_ident()  # off the loop: nothing there would flush it
         ):
             return super().ack(delivery_tag)
         if self._flushing_on is not hub:
@@ -113,7 +160,7 @@ class BatchedQoS(kombu_redis.QoS):
                 with self.pipe_or_acquire() as pipe:
                     forget_unacked(pipe, tags, self.channel.unacked_keys).execute()
             except AttributeError:  # a stale channel (see basic_ack)
-                forget_unacked(_fresh_client().pipeline(), tags, self.channel.unacked_keys).execute()
+                forget_unacked(_fresh_client(self.channel).pipeline(), tags, self.channel.unacked_keys).execute()
         except redis.RedisError as e:  # their messages come back after the visibility timeout, done already
             log.warning("%d acks not recorded in Redis (%s); their jobs' BEGIN will answer a redelivery", len(tags), e)
 
@@ -122,7 +169,8 @@ class BatchedQoS(kombu_redis.QoS):
         own): acks go at once from now on, and the loop keeps no reference to this channel."""
         self._closed_loop = hub
         hub.on_tick.discard(self.flush_acks)
-        hub.on_close.discard(self._loop_closing)  # the hub calls a copy of the set: safe
+        # a new set, not a change of the one the hub may be iterating (kombu 5.6 iterates it, 5.7 a copy)
+        hub.on_close = hub.on_close - {self._loop_closing}
         self.flush_acks()
 
     def restore_unacked_once(self, stderr=None):
@@ -146,6 +194,11 @@ class StaleChannelSafe:
     do_restore = False
     QoS = BatchedQoS
     _take = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # kept now: kombu drops a channel's connection when it closes, before a stale ack needs this
+        self.broker_client: BrokerClient | None = self.connection.client.transport_options.get(BROKER_OPTION)
 
     def _put(self, queue, message, **kwargs):
         """A message sent to a staged name (FAIR_QUEUE) is filed in its target's staged set, with its
@@ -181,6 +234,7 @@ class StaleChannelSafe:
         # NOREPLICAS, and a demoted one READONLY. Celery stops its consumer for good on a ResponseError
         # but reconnects after a connection error, which (under Sentinel) finds the new master.
         try:
+            self.qos.consumer_thread = threading.get_ident()
             delivered = super()._brpop_read(**options)
         except redis.ResponseError as e:
             if not is_transient(e):
@@ -230,14 +284,14 @@ class StaleChannelSafe:
             return super().basic_ack(delivery_tag, multiple)
         except AttributeError:  # a stale channel: its connection went with the old broker connection
             log.warning("acking %s outside its stale channel", delivery_tag)
-            forget_unacked(_fresh_client().pipeline(), [delivery_tag], self.unacked_keys).execute()
+            forget_unacked(_fresh_client(self).pipeline(), [delivery_tag], self.unacked_keys).execute()
 
     def basic_reject(self, delivery_tag, requeue=False):
         try:
             return super().basic_reject(delivery_tag, requeue)
         except AttributeError:
             log.warning("rejecting %s outside its stale channel (requeue=%s)", delivery_tag, requeue)
-            client = _fresh_client()
+            client = _fresh_client(self)
             raw = client.hget(self.unacked_key, delivery_tag)
             pipe = client.pipeline()
             if requeue and raw is not None:

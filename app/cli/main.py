@@ -224,14 +224,15 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    import os
 
     from weightq.settings import Settings
 
     require_worker_extra("worker")
     settings = Settings.from_env().check()  # before starting anything (the worker checks them again)
-    os.environ["REDIS_URL"] = ensure_redis(settings.redis)
+    settings = settings.replace(redis_url=ensure_redis(settings.redis))
     from weightq.celery import app
+
+    app.configure(settings)
 
     argv = [
         "worker",

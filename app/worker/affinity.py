@@ -38,7 +38,7 @@ STEAL_POLL_S = 0.25  # how often an idle worker looks for work to steal
 
 def consume_own_queue(sender: str, instance, **_kwargs) -> None:
     """celeryd_after_setup: the worker consumes its own queue first, then those -Q named."""
-    settings = Settings.from_env()
+    settings = instance.app.settings  # the Celery app's (app/celery.py: WorkerCelery)
     if not settings.queues.affinity:
         return
     queues = instance.app.amqp.queues

@@ -76,7 +76,7 @@ class EngineStep(bootsteps.StartStopStep):
 
     def start(self, worker) -> None:
         # every group now (a web process checks only those it reads), CONCURRENCY as the pool runs it
-        settings = pool_sized(Settings.from_env().check(), worker)
+        settings = pool_sized(worker.app.settings.check(), worker)
         instance = new_instance(worker.hostname)
         # A connection for every task thread, plus the host's loops and the stream writer: redis-py 8
         # caps a pool at 100 by default and then raises instead of waiting, and at a warm shutdown every

@@ -78,8 +78,9 @@ def test_the_web_side_ignores_a_bad_engine_variable_and_the_worker_refuses_it(mo
     monkeypatch.chdir(tmp_path)  # no .env
     for name, value in BAD_ENGINE.items():
         monkeypatch.setenv(name, value)
+    app = SimpleNamespace(settings=Settings.from_env())  # what the worker's Celery app was configured with
     with pytest.raises(ValueError, match=r"RUNNER='bogus'.*TORCH_THREADS='abc'.*MAX_BATCH_WEIGHT='lots'"):
-        EngineStep.start(None, SimpleNamespace(hostname="w@t"))  # every group, before anything starts
+        EngineStep.start(None, SimpleNamespace(hostname="w@t", app=app))  # every group, before anything starts
 
 
 def test_a_dotenv_file_fills_in_what_the_environment_leaves_unset(tmp_path):
