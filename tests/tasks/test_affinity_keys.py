@@ -56,15 +56,16 @@ def test_rendezvous_is_stable_balanced_and_moves_only_a_leaving_workers_keys():
     assert 0.15 < len(moved) / len(keys) < 0.25
 
 
-def test_a_worker_consumes_its_own_queue_first_unless_affinity_is_off(monkeypatch):
+def test_a_worker_consumes_its_own_queue_first_unless_affinity_is_off():
     from types import SimpleNamespace
 
     from celery import Celery
+    from weightq.settings import Settings
     from weightq.worker.affinity import consume_own_queue
 
     def queues_of(affinity: str) -> list[str]:
-        monkeypatch.setenv("AFFINITY", affinity)
         app = Celery("t", set_as_current=False)
+        app.settings = Settings(affinity=affinity == "1")  # what WorkerCelery.configure keeps
         app.conf.task_default_queue = "weightq"
         app.amqp.queues.select(["weightq"])
         consume_own_queue("gpu1@host", SimpleNamespace(app=app))
