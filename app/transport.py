@@ -30,6 +30,7 @@ and kombu 5.6.2 the transport's own tests pass but prefix affinity's does not ye
 - `virtual.QoS._delivered` / `_dirty`: what the consumer holds, which the intake counts
   (app/worker/loops.py: pipe_counts, delivered_tags); read from other threads with a retry.
 - The event loop's public `on_tick` / `on_close` sets: the batched acks flush at the end of a turn.
+- kombu 5.7's public `Producer.batch` (app/client/jobs.py): a submission's messages in one pipeline.
 """
 
 from __future__ import annotations

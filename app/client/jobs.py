@@ -13,13 +13,11 @@ client loads no engine (no torch): `pip install weightq` is all a web app needs.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
 import redis
 from weightq.celery_config import own_transport
@@ -351,7 +349,7 @@ class Client:
 
     def _publish(self, ids: list[str], jobs: list[JobRequest], requests: list[dict], queues: list[str]) -> None:
         app = self.app
-        with app.producer_or_acquire() as producer, _batched(producer, 4 * len(ids)):
+        with app.producer_or_acquire() as producer, producer.batch(max_size=4 * len(ids)):
             for job_id, job, request, queue in zip(ids, jobs, requests, queues, strict=True):
                 staged = {"headers": {TENANT_HEADER: job.tenant, WEIGHT_HEADER: job_weight(job)}} if self.stages else {}
                 app.send_task(
@@ -368,13 +366,6 @@ class Client:
 
     def job(self, job_id: str) -> Job:
         return Job(self, job_id)
-
-
-def _batched(producer: Any, max_size: int) -> contextlib.AbstractContextManager:
-    """kombu 5.7's publish batch (one pipeline for the lot); on kombu 5.6, which has none, each message
-    is sent on its own."""
-    batch = getattr(producer, "batch", None)
-    return batch(max_size=max_size) if batch is not None else contextlib.nullcontext()
 
 
 def submit(prompt: str | None = None, **params) -> Job:
