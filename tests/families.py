@@ -1,4 +1,4 @@
-"""Tiny random models of every family weightq claims (README: Model families), built from transformers'
+"""Tiny random models of every family weightq claims (docs/models.md: Model families), built from transformers'
 own config classes: windows smaller than the prompts the tests send, so every variant bites."""
 
 from __future__ import annotations

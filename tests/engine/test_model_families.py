@@ -1,4 +1,4 @@
-"""Every family the README claims, served by the engine and compared token for token with transformers'
+"""Every family docs/models.md claims, served by the engine and compared token for token with transformers'
 generate() (eager attention: the reference of every variant), windows smaller than the prompts, chunked
 prefill; prefix-cache hits across a window, preemption mid-prompt and mid-decode; and the models
 refused at load, with a message that says why."""

@@ -1,7 +1,9 @@
-"""The README against the code: its first screen says what weightq is, its settings table is the
+"""The README against the code: its first screen says what weightq is, its settings tables are the
 Settings class (names and defaults), its table of defaults per door is the contract's, every command it
-shows exists and parses (weightq's own with the real CLI), and every Python example compiles and
-imports what it names. (tests/app/client/test_web_app.py runs the client and Celery examples for real.)"""
+shows exists and parses (weightq's own with the real CLI), every Python example compiles and imports
+what it names, and every link to a file names one that exists. It stays a page a user reads (at most
+MAX_LINES lines) that says what is true today: run history lives in git and bench/results/, not in the
+README or docs/. (tests/repo/test_readme_snippets.py runs its snippets against a live stack.)"""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from weightq.tasks.limits import DEFAULTS, Door
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 NOT_INSTALLED_HERE = {"flask", "django"}  # the web frameworks of the examples; the client is what is tested
+MAX_LINES = 500
+HISTORY = re.compile(r"the run before|previous session|last session", re.I)
 
 
 def section(title: str) -> str:
@@ -30,8 +34,14 @@ def section(title: str) -> str:
 
 
 def table(text: str) -> list[list[str]]:
-    rows = [line.strip("|").split(" | ") for line in text.splitlines() if line.startswith("| ")]
-    return [[cell.strip() for cell in row] for row in rows[1:]]  # without the header
+    """The body rows of every table in `text` (a header row is the one above a `|---` line)."""
+    lines = text.splitlines()
+    rows = [
+        line.strip("|").split(" | ")
+        for i, line in enumerate(lines)
+        if line.startswith("| ") and not (i + 1 < len(lines) and lines[i + 1].startswith("|---"))
+    ]
+    return [[cell.strip() for cell in row] for row in rows]
 
 
 def blocks(lang: str) -> list[str]:
@@ -53,6 +63,31 @@ def test_the_first_screen_says_what_weightq_is():
     first = " ".join(README.splitlines()[:8])
     for words in ("LLM text generation", "Celery and Redis", "GPU workers", "It is not", "one model per queue"):
         assert words in first, words
+
+
+def test_the_readme_is_a_page_not_a_notebook():
+    lines = README.splitlines()
+    assert len(lines) <= MAX_LINES, f"README.md has {len(lines)} lines (at most {MAX_LINES}): move depth to docs/"
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            assert not HISTORY.search(line), f"{path.name}:{n} carries run history (git keeps it): {line[:80]}"
+
+
+def anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings."""
+    titles = re.findall(r"^#+ (.+)$", path.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", t.lower()).replace(" ", "-") for t in titles}
+
+
+def test_every_link_names_a_file_and_a_heading_that_exist():
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", path.read_text()):
+            if re.match(r"\w+://", target):
+                continue
+            linked = path.parent / target if target else path
+            assert linked.exists(), f"{path.name} links to {target}, which does not exist"
+            if anchor and linked.suffix == ".md":
+                assert anchor in anchors(linked), f"{path.name} links to {target}#{anchor}: no such heading"
 
 
 def render(default: object) -> str:
