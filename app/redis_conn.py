@@ -31,6 +31,8 @@ from urllib.parse import unquote, urlsplit
 import redis
 import redis.asyncio as aredis
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection
 
 if TYPE_CHECKING:
@@ -171,6 +173,59 @@ try:
     _PACKER: dict[str, Any] = {"command_packer": CPacker()}
 except ImportError:  # redis-py's serializer
     _PACKER = {}
+
+
+REACH_TIMEOUT_S = 2.0  # to connect, then to answer a PING: a first contact fails within twice this
+
+
+class RedisUnreachable(redis.ConnectionError):
+    """No Redis answers at the URL a client or command was about to use. Raised at the first contact
+    (without REDIS_RETRY_S's wait, which is for a Redis that answered once and went away), naming the
+    URL, where it came from and the fix."""
+
+
+def check_reachable(url: str, conf: RedisSettings, timeout_s: float = REACH_TIMEOUT_S) -> None:
+    """Raise RedisUnreachable unless the server at `url` answers one PING within about `timeout_s`
+    (connect, then reply; no retries). A server still loading its data counts as reachable, and so does
+    one that refuses the password: the next command raises redis-py's AuthenticationError, which says so."""
+    client = connect(url, conf, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+    try:
+        client.ping()
+    except (redis.BusyLoadingError, redis.AuthenticationError):
+        return
+    except (redis.ConnectionError, redis.TimeoutError, redis.InvalidResponse) as e:  # the last: not a Redis
+        raise RedisUnreachable(unreachable_message(url, conf, e)) from e
+    finally:
+        client.close()
+
+
+def unreachable_message(url: str, conf: RedisSettings, error: BaseException) -> str:
+    """What a person needs when no Redis answers: the URL, why that one, and what to do."""
+    fix = "`weightq up` (the whole stack) or `weightq redis` (Redis alone)"
+    where = f"cannot reach Redis at {redacted(url)} ({error})"
+    # every message starts "cannot reach Redis at ...": a command prefixes its name
+    if conf.streams_url and url in conf.streams_urls():
+        return f"{where}: it is in STREAMS_REDIS_URL; check that this Redis runs and the URL is right"
+    if conf.url:
+        if url != conf.url:
+            return f"{where}: the URL given to the client; check that Redis runs there"
+        return (
+            f"{where}: REDIS_URL names it; check that Redis runs there and REDIS_URL is right, or unset "
+            "REDIS_URL to use the embedded Redis (`weightq up` or `weightq redis` starts it)"
+        )
+    record = conf.home / "redis" / "url"
+    recorded = record.read_text().strip() if record.exists() else ""
+    if url == recorded:
+        return (
+            f"{where}: REDIS_URL is unset and the embedded Redis recorded in {record} is not running "
+            f"(the command that ran it was killed?). Start it with {fix}, or set REDIS_URL to your Redis"
+        )
+    if not recorded and url == conf.resolved_url():  # the default, as nothing else named a server
+        return (
+            f"{where}: REDIS_URL is unset and no embedded Redis is running (none recorded in {record}), "
+            f"so the default was tried. Set REDIS_URL to your Redis (redis://host:6379/0), or start one here: {fix}"
+        )
+    return f"{where}: the URL given to the client; check that Redis runs there, or set REDIS_URL"
 
 
 def connect(url: str, conf: RedisSettings, **kw) -> redis.Redis:

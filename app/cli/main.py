@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
+from typing import TYPE_CHECKING
 
 from weightq.batcher import BatcherConfig, ConfigError
 from weightq.batcher.config import PRIORITY_HEADROOM
@@ -21,8 +24,12 @@ from weightq.tasks.limits import DEFAULTS, Door
 
 from .batch_cmd import batch_parser
 from .compose import compose_parser
-from .redis_server import ensure_redis
+from .redis_server import redis_for, redis_parser
 from .stack import require_worker_extra, stack_parsers
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from weightq.settings import Settings
 
 TABLE_COLUMNS = (
     ("output_tokens_per_s", "out tok/s"),
@@ -229,11 +236,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     require_worker_extra("worker")
     settings = Settings.from_env().check()  # before starting anything (the worker checks them again)
-    settings = settings.replace(redis_url=ensure_redis(settings.redis))
+    with redis_for("weightq worker", settings.redis) as url:
+        _run_worker(args, settings.replace(redis_url=url))
+    return 0
+
+
+def _run_worker(args: argparse.Namespace, settings: Settings) -> None:
     from weightq.celery import app
 
     app.configure(settings)
-
     argv = [
         "worker",
         "-P",
@@ -254,7 +265,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.hostname:
         argv += ["-n", args.hostname]
     app.worker_main(argv)
-    return 0
 
 
 def _gateway_parser(sub: argparse._SubParsersAction) -> None:
@@ -276,7 +286,6 @@ def _gateway_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_gateway(args: argparse.Namespace) -> int:
     import ipaddress
 
-    import uvicorn
     from weightq.gateway import create_app
     from weightq.settings import Settings
 
@@ -295,13 +304,19 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from .supervise import refuse_taken_ports
 
     refuse_taken_ports("weightq gateway", host, {"gateway": port})  # before anything else, not at bind time
-    url = ensure_redis(settings.redis)
-    app = create_app(settings.replace(gateway_host=host), url)  # its Host check knows the bind
+    # Redis away at start is no reason to exit: /ready answers 503 until it answers (Kubernetes waits)
+    with redis_for("weightq gateway", settings.redis, must_answer=False) as url:
+        app = create_app(settings.replace(gateway_host=host), url)  # its Host check knows the bind
+        _serve(app, host, port, args.log_level)
+    return 0
+
+
+def _serve(app: FastAPI, host: str, port: int, log_level: str) -> None:
+    import uvicorn
+
     server = uvicorn.Server(
         # proxy_headers off: the app applies TRUSTED_PROXIES itself (however it is served)
-        uvicorn.Config(
-            app, host=host, port=port, log_level=args.log_level, timeout_graceful_shutdown=5, proxy_headers=False
-        )
+        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, proxy_headers=False)
     )
     stop = server.handle_exit
 
@@ -310,8 +325,15 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         stop(sig, frame)
 
     server.handle_exit = handle_exit  # type: ignore[method-assign]
-    server.run()
-    return 0
+    # uvicorn handles SIGINT and SIGTERM, then raises the signal again once it has shut down: as
+    # KeyboardInterrupt here (redis_for's handlers), so that the command's cleanup runs. SIGHUP (a
+    # closed terminal) it leaves alone: it shuts down as for SIGTERM.
+    hangup = signal.signal(signal.SIGHUP, handle_exit)
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run()
+    finally:
+        signal.signal(signal.SIGHUP, hangup)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -323,13 +345,17 @@ def build_parser() -> argparse.ArgumentParser:
     _gateway_parser(sub)
     batch_parser(sub)
     stack_parsers(sub)
+    redis_parser(sub)
     compose_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM, held as one) before a command's own handling
+        return 130
 
 
 if __name__ == "__main__":

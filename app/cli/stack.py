@@ -2,7 +2,8 @@
 
 The children (Redis, worker, gateway, Flower) run in their own sessions, so Ctrl-C reaches only this
 supervisor, which stops them in order: gateway and Flower, then the worker (warm shutdown: running
-generations finish or go back to the queue), then the Redis it started.
+generations finish or go back to the queue), then it lets go of the embedded Redis, which stops unless
+another weightq command still holds it (`EmbeddedHold`).
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from typing import IO
 
 import redis
 from weightq.metrics import read_live_workers
-from weightq.redis_conn import connect_streams, redacted
+from weightq.redis_conn import RedisUnreachable, check_reachable, connect_streams, redacted
 from weightq.settings import Settings
 
-from .redis_server import EmbeddedRedis, embedded, write_private
+from .redis_server import EmbeddedHold
 from .supervise import refuse_taken_ports, signals_ignored, stop_on_signals
 
 
@@ -43,18 +44,21 @@ class Stack:
     log_dir: Path | None = None  # None: children write to this terminal
     worker_name: str = "weightq@%h"
     children: list[Child] = field(default_factory=list)
-    redis_server: EmbeddedRedis | None = None
+    redis_hold: EmbeddedHold | None = None  # None: REDIS_URL's Redis
     url: str = ""
 
     def start(self) -> None:
         s = self.settings
         if s.redis.url:
+            try:
+                check_reachable(s.redis.url, s.redis)
+            except RedisUnreachable as e:
+                raise RuntimeError(str(e)) from None
             self.url = s.redis.url
         else:
-            self.redis_server = embedded(s.redis)
-            self.url = self.redis_server.start()
-            write_private(s.redis.home / "redis" / "url", self.url)
-            print(f"weightq: embedded Redis at {redacted(self.url)} (data in {self.redis_server.data_dir})", flush=True)
+            self.redis_hold = EmbeddedHold(s.redis)
+            self.url = self.redis_hold.acquire()
+            print(f"weightq: embedded Redis at {redacted(self.url)} (data in {s.redis.home / 'redis'})", flush=True)
         env = dict(os.environ, REDIS_URL=self.url, PYTHONUNBUFFERED="1")
         py = [sys.executable, "-m"]
         self._spawn("worker", [*py, "weightq.cli", "worker", "-n", self.worker_name, "-l", "INFO"], env)
@@ -136,9 +140,9 @@ class Stack:
             if c.log:
                 c.log.close()
         self.children.clear()
-        if self.redis_server is not None:
-            self.redis_server.stop()
-            self.redis_server = None
+        if self.redis_hold is not None:
+            self.redis_hold.release()
+            self.redis_hold = None
 
     def serve(self) -> int:
         """Start, then run until Ctrl-C, SIGTERM or SIGHUP (0) or a child dies (1); everything stops."""

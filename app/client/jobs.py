@@ -21,7 +21,7 @@ from datetime import datetime
 
 import redis
 from weightq.celery_config import own_transport
-from weightq.redis_conn import connect, retrying
+from weightq.redis_conn import check_reachable, connect, retrying
 from weightq.settings import Settings
 from weightq.tasks.contract import (
     CANCEL,
@@ -65,18 +65,29 @@ RECONNECT_S = 1.0  # the pause before reading again when Redis is away (restarti
 
 
 def check_servable(
-    jobs: Sequence[JobRequest], structured: bool | None, queue: str, adapters: set[str] | None = None
+    jobs: Sequence[JobRequest],
+    structured: bool | None,
+    queue: str,
+    adapters: set[str] | None = None,
+    *,
+    served_model: str,
 ) -> None:
     """Refuse, before anything is written, structured output when the live workers of `queue` have no
     grammar engine, and a LoRA adapter none of them holds: each would fail the job after it waited its
-    turn. None: no worker live (jobs wait)."""
+    turn. None: no worker live (jobs wait). A refused model's message names `served_model` (the name
+    clients send: SERVED_MODEL_NAME or MODEL) and the adapters."""
     if structured is False and any(job.guided is not None for job in jobs):
         raise RequestError("guided", NO_STRUCTURED.format(queue=queue))
     if adapters is not None:
         for job in jobs:
             if job.adapter and job.adapter not in adapters:
-                served = ", ".join(sorted(adapters)) or "none"
-                raise RequestError("model", f"model {job.adapter!r} is not served here (LoRA adapters: {served})")
+                raise RequestError("model", not_served(job.adapter, served_model, adapters))
+
+
+def not_served(model: object, served_model: str, adapters: set[str] | None = None) -> str:
+    """The refusal of a model name, naming what is served: the model, and its LoRA adapters when known."""
+    held = "" if adapters is None else f"; LoRA adapters: {', '.join(sorted(adapters)) or 'none'}"
+    return f"model {str(model)[:64]!r} is not served here (serving {served_model!r}{held})"
 
 
 NO_STRUCTURED = (
@@ -121,6 +132,7 @@ class Job:
         (a joined entry's tokens before its last have ids "<entry id>@<index>": resuming from any
         event's id goes on after it). Raises JobNotFound for an id no job has, StreamExpired for a
         job whose stream has expired."""
+        self.client.first_contact()
         r = self.client.readers.of(self.id)
         key = stream_key(self.id)
         last_id, skip = resume_from(last_id)  # "<entry id>@<i>": a token inside a joined entry
@@ -206,6 +218,7 @@ class Job:
     def cancel(self) -> str:
         """Cancel: a queued job ends at once; a running one is stopped by its worker within a step.
         Returns the state the job was in ("queued", "running", "done" or "cancelled")."""
+        self.client.first_contact()
         s = self.client.settings
         end = json.dumps(cancelled_result(self.id))
         state = self.client.plane.durable(self.id).run(
@@ -271,6 +284,22 @@ class Client:
         # until a worker that can start them releases them (app/worker/intake.py)
         self.stages = self.settings.queues.fair_queue and own_transport(url)
         self._app = None
+        self._reached = False
+
+    def ping(self) -> None:
+        """Reach every Redis this client uses (the broker's and the token plane's), one quick try each:
+        raises RedisUnreachable (a redis.ConnectionError) naming the URL and the fix. Building a client
+        contacts nothing (a web app imports without Redis, e.g. to collect static files); the first
+        call that needs Redis checks, so a Redis that never answered fails in seconds, not after
+        REDIS_RETRY_S, which is for one that answered and went away. Call it at start-up to fail there."""
+        for url in dict.fromkeys([self.url, *self.streams_urls]):
+            check_reachable(url, self.settings.redis)
+        self._reached = True
+
+    def first_contact(self) -> None:
+        """ping() until it has passed once."""
+        if not self._reached:
+            self.ping()
 
     @property
     def app(self):
@@ -308,6 +337,7 @@ class Client:
         submit() fields) is parsed here, and a bad one raises RequestError before anything is written.
         The gateway sends the requests that arrive together this way. `background`: dicts that name no
         priority run at BATCH_PRIORITY (None: when there are BULK_JOBS or more of them, offline work)."""
+        self.first_contact()
         if background is None:
             background = len(requests) >= BULK_JOBS
         if background:
@@ -319,7 +349,9 @@ class Client:
         if not checked and any(job.guided is not None or job.adapter for job in jobs):  # the gateway: Intake.parse
             structured = retrying(self.router.structured, self.settings.redis.retry_s, pause_s=0.2)
             adapters = self.router.adapters() if any(job.adapter for job in jobs) else None
-            check_servable(jobs, structured, self.settings.queues.queue, adapters)
+            check_servable(
+                jobs, structured, self.settings.queues.queue, adapters, served_model=self.settings.served.name()
+            )
         if not checked:  # the gateway checks once per HTTP request, before its choices are parsed apart
             self.backpressure.admit(jobs)
         s = self.settings

@@ -133,3 +133,14 @@ def test_commands_packed_in_c_are_the_bytes_redis_py_packs_and_refuse_what_it_re
     assert r.xrange("packed-s")[0][1] == {b"n": b"1.5", b"t": b"x y"}
     r.execute_command("CLIENT SETNAME", "weightq-test")
     assert r.client_getname() in ("weightq-test", b"weightq-test")  # redis-py decodes this one
+
+
+def test_a_first_contact_passes_on_a_live_redis_and_names_the_variable_of_a_dead_one(redis_url):
+    from weightq.cli.redis_server import free_port
+    from weightq.redis_conn import RedisUnreachable, check_reachable
+
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    conf = Settings(redis_url=redis_url, streams_redis_url=f"{redis_url},{dead}").redis
+    check_reachable(redis_url, conf)
+    with pytest.raises(RedisUnreachable, match=rf"^cannot reach Redis at {dead} .*it is in STREAMS_REDIS_URL"):
+        check_reachable(dead, conf)

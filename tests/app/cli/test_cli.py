@@ -1,6 +1,7 @@
 """The `weightq` command line."""
 
 import json
+import time
 
 import pytest
 from weightq.batcher.sim import POLICIES
@@ -98,3 +99,42 @@ def test_commands_that_run_an_engine_name_the_worker_extra_when_it_is_missing():
 def test_generate_checks_its_request_as_the_contract_does(capsys):
     with pytest.raises(SystemExit, match=r"^weightq generate: top_p: must be a finite number"):
         main(["generate", "x", "--top-p", "0"])
+
+
+def test_commands_pointed_at_a_redis_that_does_not_answer_say_so_at_once(tmp_path):
+    """worker, batch and up exit 1 naming REDIS_URL and the URL (no broker retries); the gateway serves
+    anyway, /ready answering 503, and says why on its output."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+    from weightq.cli.redis_server import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    env = os.environ | {"REDIS_URL": url, "WEIGHTQ_HOME": str(tmp_path), "RUNNER": "simulated", "REDIS_RETRY_S": "3600"}
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "hello"}\n')
+    for command in (["worker"], ["batch", str(src), "-o", str(tmp_path / "out.jsonl")], ["up", "--port", "0"]):
+        out = subprocess.run([sys.executable, "-m", "weightq.cli", *command], env=env, capture_output=True, text=True,
+                             timeout=120)  # fmt: skip
+        assert out.returncode == 1, (command, out.stdout[-2000:], out.stderr[-2000:])
+        assert f"cannot reach Redis at {url}" in out.stderr and "REDIS_URL names it" in out.stderr, out.stderr[-2000:]
+    port = free_port()
+    gateway = subprocess.Popen([sys.executable, "-m", "weightq.cli", "gateway", "--port", str(port)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        while True:
+            assert gateway.poll() is None, gateway.stdout.read()
+            try:
+                ready = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5)
+                break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert ready.status_code == 503 and ready.json()["status"] == "redis unreachable"
+    finally:
+        gateway.send_signal(signal.SIGTERM)
+        out, _ = gateway.communicate(timeout=60)
+    assert f"weightq gateway: cannot reach Redis at {url}" in out and "Starting anyway" in out, out
+    assert gateway.returncode == 0, out
