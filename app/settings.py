@@ -19,8 +19,10 @@ Why it is built this way:
 
 from __future__ import annotations
 
+import fnmatch
 import ipaddress
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Generic, Literal, TypeVar, overload
@@ -99,8 +101,30 @@ class RedisSettings(Group):
         return (self.streams_url and self.streams_sentinel_master) or self.sentinel_master
 
 
+# A hub id, as the hub spells one: `name` or `org/name` (the engine's `adapter.HUB_ID` is the same pattern).
+HUB_ID = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
+MAX_ADAPTER_SPEC = 4096  # characters of a lora_path
+
+
+def adapter_is_local(spec: str) -> bool:
+    """The one rule that tells an adapter's directory from a hub id (the engine's `adapter.is_local`
+    applies it too): a directory is written as a path, starting with "/", "~" or "."; anything else
+    is a hub id. It reads the string only, never the disk, so the gateway and every worker agree."""
+    return spec.startswith(("/", "~", "."))
+
+
+class AdapterSourceError(ValueError):
+    """A run-time adapter source refused: `status` 403 where LORA_ROOT / LORA_HUB_IDS do not allow it,
+    400 where it is neither an absolute directory path nor a hub id. The message never echoes a path."""
+
+    def __init__(self, message: str, status: int = 403) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class ServedSettings(Group):
-    """The model a queue serves, as both sides describe it (the gateway's /info without a live worker)."""
+    """The model a queue serves, as both sides describe it (the gateway's /info without a live worker),
+    and where adapters loaded at run time may come from (the gateway refuses early; each worker checks again)."""
 
     model: str = "builtin:tiny"
     served_model_name: str = ""  # the model name clients send and see (default: MODEL)
@@ -108,10 +132,53 @@ class ServedSettings(Group):
     dtype: str = "auto"
     max_input_length: int = 0  # 0: the model's context limit - 1
     max_total_tokens: int = 0  # 0: the model's context limit
+    # /v1/load_lora_adapter: a local lora_path must resolve (symlinks and ".." followed) inside this
+    # absolute directory; empty: no local directory. LORA_MODULES (the operator's own) is not limited.
+    lora_root: str = ""
+    # ... and a hub id must match one of these fnmatch patterns, comma-separated ("myorg/*"); empty: none
+    lora_hub_ids: str = ""
+
+    @field_validator("lora_root")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        if value and not os.path.isabs(value):
+            raise ValueError("must be an absolute directory (the gateway and the workers resolve it alike)")
+        return value
 
     def name(self) -> str:
         """The model's name for clients: SERVED_MODEL_NAME, else MODEL."""
         return self.served_model_name or self.model
+
+    def adapter_source(self, spec: str) -> str:
+        """What a worker loads for a run-time `lora_path`: the real path of a directory inside LORA_ROOT,
+        or a hub id LORA_HUB_IDS allows. Raises AdapterSourceError saying which setting refuses it."""
+        hub_ids = [p.strip() for p in self.lora_hub_ids.split(",") if p.strip()]
+        if not self.lora_root and not hub_ids:
+            raise AdapterSourceError(
+                "adapters cannot be loaded at run time: set LORA_ROOT (the directory they may be loaded from) "
+                "or LORA_HUB_IDS (the hub ids allowed, e.g. myorg/*) on the gateway and the workers"
+            )
+        if not spec or len(spec) > MAX_ADAPTER_SPEC or "\x00" in spec:
+            raise AdapterSourceError(f"must be a directory path or a hub id of 1-{MAX_ADAPTER_SPEC} characters", 400)
+        if adapter_is_local(spec):
+            return self._local_source(spec)
+        if not HUB_ID.fullmatch(spec) or ".." in spec:
+            raise AdapterSourceError("neither an absolute directory path nor a hub id (name or org/name)", 400)
+        if not hub_ids:
+            raise AdapterSourceError("hub ids cannot be loaded at run time (LORA_HUB_IDS is not set)")
+        if not any(fnmatch.fnmatchcase(spec, pattern) for pattern in hub_ids):
+            raise AdapterSourceError(f"hub id {spec!r} is not allowed by LORA_HUB_IDS")
+        return spec
+
+    def _local_source(self, spec: str) -> str:
+        if not self.lora_root:
+            raise AdapterSourceError("local directories cannot be loaded at run time (LORA_ROOT is not set)")
+        if not os.path.isabs(spec):  # "~" and "./" mean different places to the gateway and to each worker
+            raise AdapterSourceError("a local directory must be an absolute path inside LORA_ROOT", 400)
+        root, real = os.path.realpath(self.lora_root), os.path.realpath(spec)
+        if os.path.commonpath([root, real]) != root:
+            raise AdapterSourceError("outside LORA_ROOT")
+        return real
 
 
 class EngineSettings(Group):
@@ -241,6 +308,9 @@ class GatewaySettings(Group):
     # when set, every route but the probes (/health, /live, /ready) needs `Authorization: Bearer <key>` (comma: several)
     api_key: str = ""
     metrics_key: str = ""  # a key that reads /metrics and /metrics/cluster only (Prometheus' credential)
+    # The operator's key (comma: several): it alone may load and unload LoRA adapters at run time
+    # (/v1/load_lora_adapter, /v1/unload_lora_adapter), and it reaches no other route; empty: both are off (403)
+    operator_key: str = ""
     # "key:class,...": a key's jobs run at that priority class, the most its X-Priority may ask
     key_priorities: str = ""
     # The highest X-Priority class a caller may ask for unless KEY_PRIORITIES grants its key more.

@@ -1,6 +1,6 @@
-"""The gateway's edge: the API key check (and the caller's tenant), a keyless gateway's browser
-checks, per-client limits, request counts, and the error body each API expects (OpenAI's or TGI's
-shape)."""
+"""The gateway's edge: the API key check (and the caller's tenant), the operator's key on the adapter
+routes, a keyless gateway's browser checks, per-client limits, request counts, and the error body each
+API expects (OpenAI's or TGI's shape)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ KNOWN_ROUTES = {
     "/openapi.json",
     "/metrics",
     "/metrics/cluster",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
 }
 
 
@@ -63,9 +65,11 @@ class Guard:
 
     OPEN = ("/health", "/live", "/ready")  # the probes: what a load balancer or Kubernetes calls without a key
     METRICS = ("/metrics", "/metrics/cluster")  # also open to METRICS_KEY
+    OPERATOR = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")  # OPERATOR_KEY's, and no one else's
 
     def __init__(self, app, gateway: Gateway) -> None:
         self.app, self.gw = app, gateway
+        self.operator_keys = operator_keys(gateway.settings.gateway.operator_key)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -88,7 +92,10 @@ class Guard:
                 if self.gw.browser is not None:  # keyless: what a browser page could send is refused
                     self.gw.browser.check(scope["method"], headers)
                 authorization = headers.get(b"authorization", b"").decode("latin-1")
-                if (
+                if path in self.OPERATOR:
+                    self.check_operator(authorization)
+                    state["operator"] = True  # what every worker loads is the operator's act (lora_routes)
+                elif (
                     path in self.METRICS
                     and self.gw.metrics_key
                     and check_key([self.gw.metrics_key], authorization, False)
@@ -114,3 +121,22 @@ class Guard:
             if client is not None:
                 self.gw.limits.release(client, state.get("held", 1))
             self.gw.http_requests.labels(path if path in KNOWN_ROUTES else "other", str(status)).inc()
+
+    def check_operator(self, authorization: str) -> None:
+        """The adapter routes: the operator's key, or 403 (a tenant's API key, or none, included)."""
+        if not self.operator_keys:
+            raise HTTPError(403, ADAPTERS_OFF, None, "permission_error")
+        if check_key(self.operator_keys, authorization, False) is None:
+            raise HTTPError(403, NOT_OPERATOR, None, "permission_error")
+
+
+NOT_OPERATOR = "loading and unloading LoRA adapters needs the operator's key (Authorization: Bearer <OPERATOR_KEY>)"
+ADAPTERS_OFF = (
+    "loading and unloading LoRA adapters at run time is off: the operator sets OPERATOR_KEY to allow it, "
+    "with LORA_ROOT or LORA_HUB_IDS saying where adapters may come from"
+)
+
+
+def operator_keys(spec: str) -> list[bytes]:
+    """OPERATOR_KEY's keys (comma: several)."""
+    return [k.strip().encode() for k in spec.split(",") if k.strip()]

@@ -125,7 +125,9 @@ class Intake:
             jobs, n = asked()
             check_request_size(jobs, n, prompt_field)
             parsed = [parse_request(job | extra, door, max_total_tokens=limit) for job in jobs]
-            check_servable(parsed, self.serving.structured(), self.settings.queues.queue, self.serving.adapters())
+            adapters = self.serving.adapters({job.adapter for job in parsed if job.adapter})
+            queue, served = self.settings.queues.queue, self.settings.served.name()
+            check_servable(parsed, self.serving.structured(), queue, adapters, served_model=served)
             seeded = lambda job, i: job.with_seed(job.seed + i) if i and job.seed is not None else job  # noqa: E731
             return [seeded(job, i) for job in parsed for i in range(n)]
 

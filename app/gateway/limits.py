@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 DEFAULT_CONCURRENT_PER_KEY = 32  # a quarter of one worker's default CONCURRENCY (128)
 DEFAULT_RATE_PER_KEY = 10.0  # requests per second, in bursts of as many
 MAX_BUCKETS = 100_000  # rate buckets kept before the idle clients' (full again anyway) are forgotten
 SERVING_REFRESH_S = 2.0  # the workers' limits are read again from their heartbeats this often
+MISS_REFRESH_S = 0.2  # ... or this often while a request names an adapter they did not hold
 
 
 def resolved(value: float | str, keys: bool, default: float) -> float:
@@ -88,10 +89,10 @@ class ServingLimits:
         self._structured: bool | None = None
         self._adapters: set[str] | None = None
 
-    def max_total_tokens(self) -> int:
+    def max_total_tokens(self, max_age_s: float = SERVING_REFRESH_S) -> int:
         """The smallest prompt + output limit among live workers; 0 when none is known."""
         now = time.monotonic()
-        if now - self._at > SERVING_REFRESH_S:
+        if now - self._at > max_age_s:
             workers = list(self._workers().values())
             self._limit = min((w.max_total_tokens for w in workers if w.max_total_tokens > 0), default=0)
             self._structured = any(w.structured for w in workers) if workers else None
@@ -104,7 +105,11 @@ class ServingLimits:
         self.max_total_tokens()
         return self._structured
 
-    def adapters(self) -> set[str] | None:
-        """The LoRA adapters live workers hold (their heartbeats); None when no worker is known."""
+    def adapters(self, wanted: Collection[str] = ()) -> set[str] | None:
+        """The LoRA adapters live workers hold (their heartbeats); None when no worker is known. One
+        `wanted` that is not among them is looked for afresh (at most every MISS_REFRESH_S): an adapter
+        loaded a moment ago, through this gateway or another, is served before the next refresh."""
         self.max_total_tokens()
+        if self._adapters is not None and not set(wanted) <= self._adapters:
+            self.max_total_tokens(max_age_s=MISS_REFRESH_S)
         return self._adapters

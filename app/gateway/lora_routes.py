@@ -1,7 +1,14 @@
 """Loading and unloading LoRA adapters at run time, as vLLM's server does (`/v1/load_lora_adapter`,
-`/v1/unload_lora_adapter`, behind the API key), but for the whole pool: the request writes the pool's
-wish (LORA_ADAPTERS), every worker follows within a second (app/worker/adapters.py), and the answer
-comes once a live worker serves the adapter (or stops serving it), or with the reason a worker gave."""
+`/v1/unload_lora_adapter`), but for the whole pool: the request writes the pool's wish (LORA_ADAPTERS),
+every worker follows within a second (`AdapterSync`), and the answer comes once a live worker
+serves the adapter (or stops serving it), or with the reason a worker gave.
+
+What every worker loads is the operator's act, as vLLM keeps these endpoints off unless
+VLLM_ALLOW_RUNTIME_LORA_UPDATING is set: only OPERATOR_KEY passes the guard here (403 for a tenant's
+API key, for no key, and for everyone while OPERATOR_KEY is unset), and a `lora_path` must be a
+directory inside LORA_ROOT or a hub id LORA_HUB_IDS allows (`ServedSettings.adapter_source`; 403
+otherwise, 400 for neither a path nor a hub id). Each worker checks the source again before it loads,
+as anything that can write Redis can write LORA_ADAPTERS."""
 
 from __future__ import annotations
 
@@ -9,11 +16,13 @@ import asyncio
 
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
+from weightq.settings import AdapterSourceError
 from weightq.tasks.contract import LORA_ADAPTERS, LORA_ERRORS
 from weightq.tasks.limits import ID_PATTERN
 
 from .core import Gateway
 from .errors import HTTPError
+from .guard import NOT_OPERATOR
 
 WAIT_S = 30.0  # how long a load or unload waits for the workers to follow
 POLL_S = 0.2  # how often it looks meanwhile (the workers follow within a second)
@@ -22,10 +31,16 @@ POLL_S = 0.2  # how often it looks meanwhile (the workers follow within a second
 def register(app: FastAPI, gw: Gateway) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load(request: Request) -> PlainTextResponse:
+        _operator(request)
         body = await gw.intake.body(request)
         name, path = _name(body), body.get("lora_path") if isinstance(body, dict) else None
         if not isinstance(path, str) or not path:
             raise HTTPError(400, "lora_path: must be the adapter's directory or hub id", "lora_path")
+        try:
+            gw.settings.served.adapter_source(path)  # early: each worker checks it again on its own disk
+        except AdapterSourceError as e:
+            kind = "permission_error" if e.status == 403 else "invalid_request_error"
+            raise HTTPError(e.status, f"lora_path: {e}", "lora_path", kind) from None
         if name in gw.adapters():
             raise HTTPError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
         workers = gw.workers()
@@ -49,6 +64,7 @@ def register(app: FastAPI, gw: Gateway) -> None:
 
     @app.post("/v1/unload_lora_adapter")
     async def unload(request: Request) -> PlainTextResponse:
+        _operator(request)
         body = await gw.intake.body(request)
         name = _name(body)
         r = gw.client.redis
@@ -74,3 +90,10 @@ def _name(body: object) -> str:
             400, "lora_name: must be 1-128 characters of letters, digits, '.', '_', ':' or '-'", "lora_name"
         )
     return name
+
+
+def _operator(request: Request) -> None:
+    """The guard let only the operator's key through (`Guard.check_operator`); refused here too should
+    the routes ever be mounted without it."""
+    if not getattr(request.state, "operator", False):
+        raise HTTPError(403, NOT_OPERATOR, None, "permission_error")

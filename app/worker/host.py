@@ -108,6 +108,7 @@ class WorkerHost:
         self.affinity.register()
         self.lease.renew(set())  # listed on every shard before its first job begins (BEGIN reads it there)
         lora = s.engine.enable_lora or bool(s.engine.lora_modules)  # adapters follow the pool's (LORA_ADAPTERS)
+        adapter_sync = AdapterSync(r, self.engine, self.hostname, s.served)
         for name, loop in (
             ("lease", renew),  # its own lease (LEASE_TTL_S / 4)
             ("reap", reap),
@@ -117,7 +118,7 @@ class WorkerHost:
             ("recover", recover),
             ("heartbeat", lambda: loops.heartbeat_loop(r, self.hostname, self.stats, stop)),
             ("steal", lambda: steal_loop(self.affinity, self.room, lambda: not len(self.inflight), stop)),
-            *([("adapters", lambda: adapters_loop(AdapterSync(r, self.engine, self.hostname), stop))] if lora else []),
+            *([("adapters", lambda: adapters_loop(adapter_sync, stop))] if lora else []),
         ):
             self._threads.append(loops.run_guarded(name, loop, stop))
 

@@ -16,6 +16,7 @@ from tests.engine.test_lora import make_adapter
 pytestmark = pytest.mark.service  # real Redis servers and worker processes
 
 KEY = "lora-key"
+OPERATOR = "lora-operator"  # OPERATOR_KEY: loads and unloads adapters at run time (test_adapter_operator.py)
 
 
 def test_adapters_are_listed_served_by_name_and_unknown_ones_refused(service, tiny_path, tmp_path):
@@ -52,7 +53,8 @@ def test_adapters_are_listed_served_by_name_and_unknown_ones_refused(service, ti
             oai.completions.create(model="nope", prompt="hi", max_tokens=4)
             raise AssertionError("an adapter no worker holds was accepted")
         except openai.BadRequestError as e:
-            assert e.body["param"] == "model" and "LoRA adapters: ada" in e.body["message"]
+            assert e.body["param"] == "model"
+            assert "(serving 'builtin:tiny'; LoRA adapters: ada)" in e.body["message"]  # what is served
 
         text = local.generate(
             [GenerationRequest("t", prompt="LoRA says", adapter="ada", params=SamplingParams(max_new_tokens=8))]
@@ -67,30 +69,36 @@ def test_adapters_are_listed_served_by_name_and_unknown_ones_refused(service, ti
             service.client.submit(prompt="hi", adapter="nope")
             raise AssertionError("an adapter no worker holds was accepted")
         except RequestError as e:
-            assert e.field == "model"
+            assert e.field == "model" and "(serving 'builtin:tiny'; LoRA adapters: ada)" in str(e)
     finally:
         gateway.stop()
 
 
 def test_adapters_load_and_unload_at_run_time_for_the_whole_pool(service, tiny_path, tmp_path):
-    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, behind the key: every live worker
-    follows, and one started later loads what was loaded before it."""
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, with the operator's key and from
+    LORA_ROOT: every live worker follows, and one started later loads what was loaded before it."""
     bob = make_adapter(tiny_path, tmp_path / "bob", 4, 12)
-    first = service.worker("w1@test", enable_lora=1, compile="off")
-    gateway = GatewayProcess(service.url, tmp_path, api_key=KEY, rate_limit_per_s=0, max_concurrent_per_client=0)
+    root = {"lora_root": str(tmp_path)}
+    first = service.worker("w1@test", enable_lora=1, compile="off", **root)
+    gateway = GatewayProcess(
+        service.url, tmp_path, api_key=KEY, operator_key=OPERATOR, rate_limit_per_s=0, max_concurrent_per_client=0,
+        **root,
+    )  # fmt: skip
     auth = {"Authorization": f"Bearer {KEY}"}
+    operator = {"Authorization": f"Bearer {OPERATOR}"}
     try:
         first.wait_ready()
         gateway.wait_ready()
-        post = lambda path, body, headers=auth: httpx.post(gateway.base + path, json=body, headers=headers, timeout=60)  # noqa: E731
-        assert post("/v1/load_lora_adapter", {"lora_name": "bob", "lora_path": str(bob)}, {}).status_code == 401
+        post = lambda path, body, key=operator: httpx.post(gateway.base + path, json=body, headers=key, timeout=60)  # noqa: E731
+        for key in ({}, auth):  # no key, a tenant's key: not the operator's act
+            assert post("/v1/load_lora_adapter", {"lora_name": "bob", "lora_path": str(bob)}, key).status_code == 403
         bad = post("/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(tmp_path / "missing")})
         assert bad.status_code == 400 and "w1@test" in bad.json()["error"]["message"]
         ok = post("/v1/load_lora_adapter", {"lora_name": "bob", "lora_path": str(bob)})
         assert ok.status_code == 200 and "added successfully" in ok.text
         again = post("/v1/load_lora_adapter", {"lora_name": "bob", "lora_path": str(bob)})
         assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
-        second = service.worker("w2@test", enable_lora=1, compile="off")  # started later: loads bob too
+        second = service.worker("w2@test", enable_lora=1, compile="off", **root)  # started later: loads bob too
         second.wait_ready()
         second.wait_stats(lambda s: s.get("adapters") == ["bob"])
 
