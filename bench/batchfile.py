@@ -7,7 +7,8 @@ worker on the simulated device (so the batch tool and the queue, not the model, 
   every 0.2 s);
 - resumed: the same file into another output, the batch process SIGKILLed once `--kill-at` of the lines
   are written, then the same command again: seconds from the rerun's start to its first new output line
-  (reading the output and the input back), its total time, and every line's id exactly once at the end.
+  (reading the output and the input back), its total time, every line's id exactly once at the end, and
+  the jobs both runs submitted (the killed run's jobs in flight are collected, not run again: one per line).
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ import time
 from pathlib import Path
 
 import psutil
+import redis
 from weightq.cli.processes import ROOT, WorkerProcess
 from weightq.cli.redis_server import EmbeddedRedis
+from weightq.tasks.contract import job_key
 
 WORKER = {
     "runner": "simulated", "sim_step_cost": "0.005,0,0", "max_batch_weight": 65536, "max_total_tokens": 256,
@@ -37,6 +40,11 @@ def write_lines(path: Path, n: int) -> None:
         for i in range(n):
             line = {"id": f"r{i}", "prompt": f"row {i}: classify this text", "max_new_tokens": 8, "meta": {"row": i}}
             f.write(json.dumps(line) + "\n")
+
+
+def batch_jobs(url: str) -> int:
+    """Jobs batch runs submitted: each has a record in Redis (kept RESULT_TTL_S)."""
+    return sum(1 for _ in redis.Redis.from_url(url).scan_iter(job_key("batch-*"), count=10_000))
 
 
 def count(path: Path) -> int:
@@ -88,6 +96,7 @@ def main() -> None:
         took = whole.wait()
         assert whole.proc.returncode == 0, (home / "whole.log").read_text()[-2000:]
         out = home / "resumed.jsonl"
+        jobs_before = batch_jobs(url)
         first = BatchProcess(url, home, src, out)
         first.wait(lambda: count(out) >= args.kill_at * args.lines)
         first.proc.send_signal(signal.SIGKILL)
@@ -111,6 +120,7 @@ def main() -> None:
                 "rerun_seconds": round(total, 1),
                 "rerun_rss_peak_mb": round(rerun.rss_peak / 2**20, 1),
                 "each_id_once": len(ids) == len(set(ids)) == args.lines,
+                "jobs_submitted": batch_jobs(url) - jobs_before,  # == lines: none generated twice
             },
         }
         print(json.dumps(result) if args.json else json.dumps(result, indent=2))

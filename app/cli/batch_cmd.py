@@ -13,14 +13,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from weightq.client import Client
-from weightq.client.batch import BatchChanged, format_summary, run_batch
+from weightq.client.batch import BatchChanged, DuplicateIds, failures_line, format_summary, run_batch
 from weightq.gateway.openai_batch import OpenAIBatchLines
 from weightq.metrics import read_live_workers
 from weightq.redis_conn import redacted
 from weightq.settings import Settings
 from weightq.tasks.heartbeat import Heartbeat
 
-from .redis_server import ensure_redis
+from .redis_server import redis_for
 
 WATCH_S = 5.0  # how often a running batch looks for the workers of its queue
 
@@ -30,9 +30,12 @@ def batch_parser(sub: argparse._SubParsersAction) -> None:
         "batch",
         help="run a JSONL file of requests through the workers, writing results as they complete",
         description="Offline batch inference. Each input line is a request: prompt, messages or prompt_token_ids, "
-        'sampling parameters, optional "id"; or a line of OpenAI\'s Batch API (custom_id, method, url, body), '
-        "answered with OpenAI's batch output line. Rerun the same command to resume: ids already in the output "
-        "are skipped. Refuses at once when no live worker serves QUEUE (unless --local).",
+        "sampling parameters (also under OpenAI's and TGI's names: max_tokens, model, ...), optional \"id\", and "
+        "columns of your own, carried to its output line; or a line of OpenAI's Batch API (custom_id, method, url, "
+        "body), answered with OpenAI's batch output line. Two lines with one id are refused before anything runs. "
+        "Rerun the same command to resume: ids already in the output are skipped, jobs a killed run left are "
+        "collected. Exits 1 when a line failed, 130 when interrupted. Refuses at once when no live worker serves "
+        "QUEUE (unless --local). See docs/batch.md.",
     )
     p.add_argument("input", help="JSONL file of requests")
     p.add_argument("-o", "--output", required=True, help="JSONL file of results (appended; resumable)")
@@ -75,9 +78,11 @@ def cmd_batch(args: argparse.Namespace) -> int:
         from .stack import require_worker_extra
 
         require_worker_extra("batch --local")
-    url = ensure_redis(settings.redis)
-    client = Client(url, settings=settings)
-    with local_worker(url, settings) if args.local else contextlib.nullcontext():
+    with (
+        redis_for("weightq batch", settings.redis) as url,  # the embedded Redis is held until the batch ends
+        local_worker(url, settings) if args.local else contextlib.nullcontext(),
+    ):
+        client = Client(url, settings=settings)
         served = served_model(client, settings.queues.queue, url)
         try:
             summary, interrupted = run_batch(
@@ -94,13 +99,18 @@ def cmd_batch(args: argparse.Namespace) -> int:
                 force=args.force,
                 model=settings.served.served_model_name or served,
             )
-        except BatchChanged as e:
+        except (BatchChanged, DuplicateIds) as e:
             raise SystemExit(f"weightq batch: {e}") from None
-    if args.json:
+    failures = failures_line(summary, Path(args.output))
+    if args.json:  # the JSON stays stdout's last line, for scripts
         print(json.dumps(summary))
+        if failures:
+            print(failures, file=sys.stderr)
     else:
         print(format_summary(summary))
-    return 130 if interrupted else 0
+        if failures:
+            print(failures)
+    return 130 if interrupted else 1 if failures else 0
 
 
 def queue_workers(client: Client, queue: str) -> dict[str, Heartbeat]:

@@ -4,12 +4,15 @@ rewrite in input order.
 The output is appended to as jobs end, so an interrupted run leaves a valid file and a rerun resumes.
 A line's outcome is its last record: a failed line retried on a rerun appends its new outcome, and the
 rewrite (`--ordered`, or after a rerun retried lines) keeps one record per line.
+
+Beside it, `<output>.jobs` (the `Journal`) names the job of each line in flight, written before the job
+is submitted: a client killed outright (SIGKILL, a lost machine) leaves jobs that go on running, and the
+rerun collects their results instead of generating them again.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -50,11 +53,11 @@ def cut_torn_line(output: Path) -> None:
         f.truncate(max(pos, 0))
 
 
-def done_ids(output: Path, failed: bool = True) -> set[str]:
-    """Line ids the output holds an outcome for (`custom_id` of OpenAI's lines, else `id`): all of them,
-    or (failed=False) those whose last outcome is a result, so that failed lines run again."""
+def outcomes(output: Path) -> dict[str, bool]:
+    """Each line id the output holds an outcome for (`custom_id` of OpenAI's lines, else `id`), and
+    whether its last outcome is a result. A torn last line is cut first."""
     if not output.exists():
-        return set()
+        return {}
     cut_torn_line(output)
     last: dict[str, bool] = {}
     with open(output, encoding="utf-8", errors="replace") as f:
@@ -64,7 +67,13 @@ def done_ids(output: Path, failed: bool = True) -> set[str]:
                 last[line_id_of(record)] = succeeded(record)
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue
-    return {i for i, ok in last.items() if ok or failed}
+    return last
+
+
+def done_ids(output: Path, failed: bool = True) -> set[str]:
+    """Line ids the output holds an outcome for: all of them, or (failed=False) those whose last
+    outcome is a result, so that failed lines run again."""
+    return {i for i, ok in outcomes(output).items() if ok or failed}
 
 
 def write_in_input_order(output: Path, order: list[str]) -> int:
@@ -102,14 +111,6 @@ class RunRecord:
     priority: int
     model: str
 
-    @classmethod
-    def of(cls, input_path: Path, priority: int, model: str) -> RunRecord:
-        digest = hashlib.sha256()
-        with open(input_path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
-        return cls(digest.hexdigest(), priority, model)
-
     @staticmethod
     def path(output: Path) -> Path:
         return output.with_name(output.name + ".run.json")
@@ -129,3 +130,58 @@ class RunRecord:
 
     def save(self, output: Path) -> None:
         self.path(output).write_text(json.dumps(asdict(self)) + "\n")
+
+
+class Journal:
+    """`<output>.jobs`: a line {"id", "job"} for each line's job, written (and flushed) before the job is
+    submitted, and {"end": job} once its outcome is in the output. The jobs submitted and not ended are
+    in flight, or ended while their client was dead: a rerun collects them (`pending`). A machine that
+    loses its page cache may lose the last entries; their lines then run again."""
+
+    def __init__(self, output: Path) -> None:
+        self.path = self.of(output)
+        self.file = None
+
+    @staticmethod
+    def of(output: Path) -> Path:
+        return output.with_name(output.name + ".jobs")
+
+    def pending(self) -> dict[str, str]:
+        """line id -> the job of its last submission that has not ended (a torn last entry is skipped)."""
+        if not self.path.exists():
+            return {}
+        latest: dict[str, str] = {}
+        ended: set[str] = set()
+        with open(self.path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    entry = json.loads(line)
+                    if "end" in entry:
+                        ended.add(str(entry["end"]))
+                    else:
+                        latest[str(entry["id"])] = str(entry["job"])
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    continue
+        return {line_id: job for line_id, job in latest.items() if job not in ended}
+
+    def submitted(self, line_id: str, job_id: str) -> None:
+        self._write({"id": line_id, "job": job_id})
+
+    def ended(self, job_id: str) -> None:
+        self._write({"end": job_id})
+
+    def _write(self, entry: dict) -> None:
+        if self.file is None:
+            if self.path.exists():
+                cut_torn_line(self.path)
+            self.file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        self.file.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        self.file.flush()
+
+    def close(self, finished: bool) -> None:
+        """`finished`: the run ended with nothing in flight, so the journal names nothing to collect."""
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        if finished:
+            self.path.unlink(missing_ok=True)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import redis
-from weightq.client.batch import BatchRun, done_ids, run_batch
+from weightq.client.batch import BatchRun, run_batch
+from weightq.client.batch_output import done_ids
 
 pytestmark = pytest.mark.service  # real Redis servers and worker processes
 
@@ -209,9 +210,12 @@ def test_batch_takes_the_model_name_the_workers_advertise(service, tmp_path):
     src.write_text(_openai_line("a", "house-model") + "\n" + _openai_line("b", "builtin:tiny") + "\n")
     env = {k: v for k, v in os.environ.items() if k != "SERVED_MODEL_NAME"} | {"REDIS_URL": service.url}
     cmd = [sys.executable, "-m", "weightq.cli", "batch", str(src), "-o", str(out), "--no-progress"]
-    subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=True)
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     status = {r["custom_id"]: r["response"]["status_code"] for r in read_output(out)}
     assert status == {"a": 200, "b": 400}  # the workers' served name, not this process' MODEL
+    refusal = {r["custom_id"]: r for r in read_output(out)}["b"]["response"]["body"]["error"]
+    assert refusal["param"] == "model" and "(serving 'house-model'; LoRA adapters: none)" in refusal["message"]
+    assert done.returncode == 1 and done.stdout.strip().splitlines()[-1].startswith("1 of 2 lines failed")
 
 
 def test_batch_local_brings_its_own_worker(service, tmp_path):
