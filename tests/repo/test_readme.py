@@ -155,9 +155,18 @@ def _check(argv: list[str]) -> None:
     elif tool == "kubectl":
         if args[:2] == ["apply", "-k"]:
             assert (ROOT / args[2] / "kustomization.yaml").is_file()
-        else:  # the secret the manifests read, with the keys they read from it
-            assert args[:4] == ["create", "secret", "generic", "weightq-keys"], args
-            assert all(a.removeprefix("--from-literal=").split("=")[0] in ("API_KEY", "METRICS_KEY") for a in args[4:])
+        else:  # the namespace the kustomization names; a secret the manifests read, with keys they read
+            kustomization = (ROOT / "deploy/k8s/kustomization.yaml").read_text()
+            namespace = re.search(r"^namespace: (\S+)", kustomization, re.M).group(1)
+            if args[:2] == ["create", "namespace"]:
+                assert args[2:] == [namespace], args
+            else:
+                assert args[:5] == ["-n", namespace, "create", "secret", "generic"], args
+                manifests = "".join(p.read_text() for p in (ROOT / "deploy/k8s").glob("*.yaml"))
+                assert re.search(rf"\b(name|secretName): {re.escape(args[5])}\b", manifests), args[5]
+                for a in args[6:]:
+                    key = a.removeprefix("--from-literal=").split("=")[0]
+                    assert key in ("API_KEY", "METRICS_KEY") or re.search(rf"\bkey: {key}\b", manifests), key
     elif tool == "$EDITOR":
         assert (ROOT / args[0]).is_file()
     else:
