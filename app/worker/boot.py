@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import replace
+from pathlib import Path
 
 from celery import bootsteps
 from celery.exceptions import ImproperlyConfigured
@@ -32,6 +33,10 @@ log = logging.getLogger(__name__)
 ENGINE_DIED_EXIT = 70
 # Redis connections beyond one per task thread: the host's loops and the stream writer.
 EXTRA_CONNECTIONS = 16
+
+# torch.compile's on-disk caches (inductor's FX graphs and C++ kernels, AOTAutograd's graphs), under WEIGHTQ_HOME
+COMPILE_CACHE = "compile-cache"
+TORCH_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 POOL_ADVICE = (
     "weightq hosts one engine per worker process and needs the threads pool: run "
@@ -62,6 +67,30 @@ def pool_sized(settings: Settings, worker) -> Settings:
         return settings
     log.info("the pool runs %d task threads: CONCURRENCY=%d set aside", threads, settings.worker.concurrency)
     return settings.replace(concurrency=threads)
+
+
+def use_compile_cache(home: Path) -> Path | None:
+    """Point torch.compile's caches at `home`/compile-cache unless TORCHINDUCTOR_CACHE_DIR names a place
+    of its own; returns the directory in use, or None when it cannot be created (torch's default then).
+    torch's default lives in the temp dir, which a container loses with the pod; WEIGHTQ_HOME is what a
+    deployment keeps, so a new worker finds the graphs an earlier one compiled and only traces. The
+    engine (or its process, spawned after this) reads the variable when it compiles. Entries are keyed
+    by torch's version and the graph, so a stale or foreign entry is a miss, never a wrong kernel."""
+    # torch internal (its default has no public name): test_torchs_own_default_is_not_an_operators_choice pins it
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    chosen = os.environ.get(TORCH_CACHE_ENV)
+    # importing the engine sets the variable to torch's default: that is not a choice of the operator's
+    if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
+        return Path(chosen)
+    target = home / COMPILE_CACHE
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        log.warning("compile cache: %s cannot be created (%s); torch's default cache is used", target, e)
+        return None
+    os.environ[TORCH_CACHE_ENV] = str(target)
+    return target
 
 
 class EngineStep(bootsteps.StartStopStep):
@@ -103,6 +132,8 @@ class EngineStep(bootsteps.StartStopStep):
         # may hold, so that it (seeing classes and tenants) is what binds, and the rest reach it to preempt
         running = settings.worker.concurrency - settings.worker.reserved_slots()
         config = replace(config, torch_threads=serving_threads(config), max_running=running)
+        cache = use_compile_cache(settings.redis.home)
+        log.info("weightq worker: starting the engine (compile cache: %s)", cache or "torch's default")
         engine: AnyEngine
         if own_process(settings.engine.engine_process, config):
             engine = EngineProcess(config, sink=publisher, on_death=_exit_worker)

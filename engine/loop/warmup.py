@@ -1,8 +1,10 @@
 """Compile before serving: run the shapes a compiled runner will meet, so no request pays for it.
 
-torch.compile builds a graph per shape class: steps of one token or several, decode groups of one
-row or several, contexts of one KV block or several. A few tiny requests cover them all; the
-engine runs them before it reports ready (the worker starts consuming only after), and logs the time.
+torch.compile builds a graph per shape class it specialises on (the paged runner's token counts are
+unbacked: one graph, unless a model needs backed ones): steps of one token or several, decode groups
+of one row or several, contexts of one KV block or several. A few tiny requests cover them all; the
+engine runs them before it reports ready (the worker starts consuming only after), and logs the time
+and how many graphs came from the on-disk compile cache (a warm start traces, but compiles nothing).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import logging
 import time
 from collections.abc import Callable
 from typing import Any
+
+from torch._dynamo.utils import counters
 
 from ..params import GenerationRequest, SamplingParams
 
@@ -27,6 +31,7 @@ ROUNDS = (
 def warm_up(generate: Callable[[list[GenerationRequest]], Any], vocab: int) -> float:
     """Run the warm-up rounds through `generate` (the engine's, on the calling thread) with token ids
     below `vocab`; returns the seconds it took."""
+    found, compiled = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
     t0 = time.perf_counter()
     for r, round_ in enumerate(ROUNDS):
         generate(
@@ -40,5 +45,7 @@ def warm_up(generate: Callable[[list[GenerationRequest]], Any], vocab: int) -> f
             ]
         )
     elapsed = time.perf_counter() - t0
-    log.info("compiled and warmed up in %.1f s", elapsed)
+    found = counters["inductor"]["fxgraph_cache_hit"] - found
+    compiled = counters["inductor"]["fxgraph_cache_miss"] - compiled
+    log.info("compiled and warmed up in %.1f s (compile cache: %d graphs found, %d compiled)", elapsed, found, compiled)
     return elapsed

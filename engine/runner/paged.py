@@ -7,6 +7,7 @@ token's K/V lives. Logits are computed only for the rows of sequences that emit 
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -19,6 +20,8 @@ from ..lora import Resident, lora_context
 from .base import HasTokens, PagedMemory, Work
 from .kv_cache import KVCache
 from .step_meta import MetaBuilder
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner(PagedMemory):
@@ -52,6 +55,11 @@ class ModelRunner(PagedMemory):
         self._decode_fn = self.decode_kernel.fn if self.decode_kernel else None
         # Attention is an opaque op inside the compiled graph (attention.step_context); token counts are dynamic.
         self._compiled_model = torch.compile(model, fullgraph=True) if compiled else None
+        # Token counts unbacked: one graph serves steps of one token and of many, where backed sizes are
+        # specialised at 1 (three graphs to trace, the bulk of a warm start). A model whose code branches
+        # on them cannot be traced so: its first compile falls back to backed sizes (`_compiled_forward`).
+        self._unbacked = True
+        self._traced = False  # a compiled forward succeeded: errors from now on are the step's own
         self.cache = cache
         self.backend = backend
         self.device = device
@@ -134,10 +142,8 @@ class ModelRunner(PagedMemory):
             # The attention op looks pure to the compiler: with no logits to keep, it would drop the
             # whole graph and with it the KV writes of a prompt chunk. One kept row keeps every layer.
             keep = keep if len(keep) else keep.new_tensor([ids.shape[1] - 1])
-            for t, dim in ((ids, 1), (pos, 1), (keep, 0)):
-                torch._dynamo.maybe_mark_dynamic(t, dim)
             with step_context(meta), lora_context(self.lora, self._segments):
-                out = self._compiled_model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep)
+                out = self._compiled_forward(ids, pos, keep)
         else:
             with lora_context(self.lora, self._segments):
                 out = self.model(
@@ -155,6 +161,24 @@ class ModelRunner(PagedMemory):
         else:
             self.model_s += time.perf_counter() - t0
         return logits
+
+    def _compiled_forward(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor):
+        """The compiled model on one step; the first call traces it, with unbacked token counts if the
+        model allows, else (the error logged) with backed ones."""
+        mark = torch._dynamo.decorators.mark_unbacked if self._unbacked else torch._dynamo.maybe_mark_dynamic
+        for t, dim in ((ids, 1), (pos, 1), (keep, 0)):
+            mark(t, dim)
+        try:
+            out = self._compiled_model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep)
+        except Exception as e:
+            if self._traced or not self._unbacked:
+                raise
+            log.warning("compile: unbacked token counts failed (%s); tracing with backed ones", str(e)[:300])
+            self._unbacked = False
+            self._compiled_model = torch.compile(self.model, fullgraph=True)
+            return self._compiled_forward(ids, pos, keep)
+        self._traced = True
+        return out
 
     def _fill_rings(self, prefill: list[Work]) -> None:
         """A prefix-cache hit's window blocks: copied from the cache into the request's ring first."""
