@@ -13,7 +13,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from weightq.client import Client
-from weightq.client.batch import BatchChanged, DuplicateIds, failures_line, format_summary, run_batch
+from weightq.client.batch import (
+    BatchChanged,
+    DuplicateIds,
+    OutputRefused,
+    check_output,
+    failures_line,
+    format_summary,
+    run_batch,
+)
 from weightq.gateway.openai_batch import OpenAIBatchLines
 from weightq.metrics import read_live_workers
 from weightq.redis_conn import redacted
@@ -59,7 +67,9 @@ def batch_parser(sub: argparse._SubParsersAction) -> None:
         "--ordered", action="store_true", help="at the end, rewrite the output in input order, one line per request"
     )
     p.add_argument(
-        "--force", action="store_true", help="resume an output started from another input, priority or model"
+        "--force",
+        action="store_true",
+        help="resume an output started from another input, priority or model, or holding other data",
     )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_batch)
@@ -74,6 +84,10 @@ def cmd_batch(args: argparse.Namespace) -> int:
         raise SystemExit("weightq batch: --max-in-flight must be >= 1")
     if args.priority is not None and not 0 <= args.priority <= 9:
         raise SystemExit("weightq batch: --priority must be an integer in [0, 9]")
+    try:
+        check_output(src, Path(args.output), args.force)  # before Redis or a --local worker starts
+    except OutputRefused as e:
+        raise SystemExit(f"weightq batch: {e}") from None
     if args.local:
         from .stack import require_worker_extra
 
@@ -99,7 +113,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
                 force=args.force,
                 model=settings.served.served_model_name or served,
             )
-        except (BatchChanged, DuplicateIds) as e:
+        except (BatchChanged, DuplicateIds, OutputRefused) as e:
             raise SystemExit(f"weightq batch: {e}") from None
     failures = failures_line(summary, Path(args.output))
     if args.json:  # the JSON stays stdout's last line, for scripts

@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
+import re
 import signal
 import statistics
 import sys
@@ -38,7 +40,7 @@ from weightq.tasks.request import JobRequest, RequestError
 
 from .backlog import Overloaded
 from .batch_lines import JobLines, LineFormat
-from .batch_output import Journal, RunRecord, outcomes, write_in_input_order
+from .batch_output import Journal, RunRecord, foreign_line, json_line, outcomes, write_in_input_order
 from .jobs import Client
 
 
@@ -83,20 +85,36 @@ def line_formats(formats: list[LineFormat] | None, served_model: str) -> list[Li
     return [*(formats or []), JobLines(served_model)]
 
 
+UNDECODED = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, as `decoded` keeps it
+
+
 def identify(line: str, n: int, formats: list[LineFormat]) -> tuple[Any, LineFormat, str, tuple[str, str] | None]:
-    """(the parsed line, its format, its id, (message, field) when it is no request at all)."""
+    """(the parsed line, its format, its id, (message, field) when it is no request at all), `n` counted
+    from 1. A line that is not UTF-8 (`decoded`) is refused, keeping its id when it has one: its bytes
+    replaced, it would run a prompt other than the file's."""
     error: tuple[str, str] | None = None
+    if n == 1:
+        line = line.removeprefix("\ufeff")  # the byte-order mark some editors write first: not the line's
+    bad = UNDECODED.search(line)
+    if bad is not None:
+        error = (f"line {n} is not UTF-8 (byte 0x{ord(bad[0]) - 0xDC00:02x} at character {bad.start() + 1}): "
+                 "save the file as UTF-8", "line")  # fmt: skip
+        line = line.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     try:
         obj: Any = json.loads(line)
     except ValueError as e:
-        obj, error = None, (f"line {n} is not JSON: {e}", "line")
-    else:
-        if not isinstance(obj, dict):
-            error = (f"request: must be a JSON object (got {type(obj).__name__})", "request")
-    if error is not None:
+        obj, error = None, error or (f"line {n} is not JSON: {e}", "line")
+    if not isinstance(obj, dict):
+        error = error or (f"request: must be a JSON object (got {type(obj).__name__})", "request")
         return obj, formats[-1], f"line-{n}", error
     fmt = next(f for f in formats if f.matches(obj))
-    return obj, fmt, fmt.line_id(obj, n), None
+    return (None, formats[-1], fmt.line_id(obj, n), error) if error else (obj, fmt, fmt.line_id(obj, n), None)
+
+
+def decoded(raw: bytes) -> str:
+    """A line of the input as text; a byte that is not UTF-8 stays visible to `identify` (as a lone
+    surrogate) instead of becoming U+FFFD, which would run a prompt other than the file's."""
+    return raw.decode("utf-8", errors="surrogateescape")
 
 
 class DuplicateIds(ValueError):
@@ -120,7 +138,7 @@ def scan_input(path: Path, formats: list[LineFormat]) -> InputScan:
     with open(path, "rb") as f:
         for n, raw in enumerate(f, start=1):
             digest.update(raw)
-            line = raw.decode("utf-8", errors="replace")
+            line = decoded(raw)
             if not line.strip():
                 continue
             line_id = identify(line, n, formats)[2]
@@ -185,7 +203,7 @@ class BatchRun:
         self.retried = 0  # lines whose earlier outcome (a failure) the output holds already
 
     def write(self, record: dict) -> None:
-        self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.out.write(json_line(record))
         self.out.flush()
 
     def fail(self, record: dict) -> None:
@@ -335,6 +353,32 @@ class BatchChanged(ValueError):
     """The output was started from another input or with other parameters (RunRecord)."""
 
 
+class OutputRefused(ValueError):
+    """The output is the input, a file `weightq batch` did not write (a rerun rewrites its output), or
+    cannot be written. Nothing was run."""
+
+
+def check_output(input_path: Path, output_path: Path, force: bool) -> None:
+    """Refuse, before anything runs, an output the run would destroy or could not write."""
+    if output_path.is_dir():
+        raise OutputRefused(f"{output_path} is a directory: give the output file's path")
+    if output_path.exists():
+        if os.path.samefile(input_path, output_path):
+            raise OutputRefused(f"{output_path} is the input file: results appended there would overwrite it")
+        if not force and not RunRecord.path(output_path).exists() and (n := foreign_line(output_path)):
+            raise OutputRefused(
+                f"{output_path} was not written by weightq batch (line {n} is no record of it), and a run appends "
+                "to its output and may rewrite it. Write to a new output, or pass --force to use it anyway"
+            )
+        writable = os.access(output_path, os.W_OK)
+    else:
+        if not output_path.parent.is_dir():
+            raise OutputRefused(f"{output_path}: no such directory: {output_path.parent}")
+        writable = os.access(output_path.parent, os.W_OK)
+    if not writable:
+        raise OutputRefused(f"{output_path} cannot be written (permission denied, or a read-only file system)")
+
+
 def run_batch(
     input_path: Path,
     output_path: Path,
@@ -356,11 +400,13 @@ def run_batch(
     now and then while jobs run; `model`: the name the workers serve (default: what their heartbeats
     say). Lines whose last outcome in the output is a result are skipped, failed ones run again unless
     `keep_failed`; `ordered` rewrites the output in input order at the end of a whole run (one record
-    per line; so does a run that retried lines). Raises DuplicateIds (nothing run) when two lines have
-    one id, BatchChanged when the output was started from another input, or with another priority or
-    `model`, unless `force`."""
+    per line; so does a run that retried lines). Raises OutputRefused (nothing run) for an output that is
+    the input, not a batch output (unless `force`) or not writable, DuplicateIds (nothing run) when two
+    lines have one id, BatchChanged when the output was started from another input, or with another
+    priority or `model`, unless `force`."""
     from tqdm import tqdm
 
+    check_output(input_path, output_path, force)
     served = model or served_name(client)
     scan = scan_input(input_path, line_formats(formats, served))
     record = RunRecord(scan.sha256, BATCH_PRIORITY if priority is None else priority, model)
@@ -371,7 +417,10 @@ def run_batch(
             f"{output_path} was started from another run: {'; '.join(changes)}. Write to a new output, or "
             "pass --force to resume it anyway"
         )
-    record.save(output_path)
+    try:
+        record.save(output_path)
+    except OSError as e:
+        raise OutputRefused(f"cannot write {RunRecord.path(output_path)}, the run's record: {e.strerror}") from None
     skip = seen if keep_failed else {line_id for line_id, ok in earlier.items() if ok}
     bar = tqdm(total=scan.lines, unit="req", file=sys.stderr, disable=not progress, dynamic_ncols=True)
     interrupted = finished = False
@@ -390,7 +439,7 @@ def run_batch(
         )
         try:
             with _stop_signals_set(run.stop):
-                lines = ((n, raw.decode("utf-8", errors="replace")) for n, raw in enumerate(f, start=1))
+                lines = ((n, decoded(raw)) for n, raw in enumerate(f, start=1))
                 run.submit_lines(lines, skip, seen)  # numbered as scan_input numbers them
             finished = True
         except (Interrupted, KeyboardInterrupt):

@@ -19,6 +19,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 
+def json_line(record: dict) -> str:
+    """A record as one line of a UTF-8 file: non-ASCII text as is, unless the record holds a lone
+    surrogate (a JSON "\\ud83d" from an emoji cut in two), which UTF-8 cannot hold: then escaped, so
+    that it reads back as the same string (the line's id, its columns) instead of failing the write."""
+    line = json.dumps(record, ensure_ascii=False)
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        line = json.dumps(record)
+    return line + "\n"
+
+
 def line_id_of(record: dict) -> str:
     return str(record["custom_id"] if "custom_id" in record else record["id"])
 
@@ -68,6 +80,24 @@ def outcomes(output: Path) -> dict[str, bool]:
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue
     return last
+
+
+def foreign_line(output: Path) -> int | None:
+    """The number of the output's first whole line that is no record of `weightq batch` (an id with a
+    result, an error or OpenAI's response), or None: an output without its RunRecord is still one of
+    ours when every line is a record, and a data set given as the output is not."""
+    with open(output, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.endswith("\n"):
+                return None  # a torn last line: cut_torn_line's
+            try:
+                record = json.loads(line)
+                line_id_of(record)
+            except (ValueError, KeyError, TypeError):
+                return n
+            if not isinstance(record, dict) or not {"result", "error", "response"} & record.keys():
+                return n
+    return None
 
 
 def done_ids(output: Path, failed: bool = True) -> set[str]:
@@ -175,7 +205,7 @@ class Journal:
             if self.path.exists():
                 cut_torn_line(self.path)
             self.file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
-        self.file.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        self.file.write(json_line(entry))
         self.file.flush()
 
     def close(self, finished: bool) -> None:

@@ -22,13 +22,17 @@ from weightq.tasks.limits import ID_PATTERN
 
 from .core import Gateway
 from .errors import HTTPError
-from .guard import NOT_OPERATOR
+from .guard import NOT_OPERATOR, operator_keys
 
 WAIT_S = 30.0  # how long a load or unload waits for the workers to follow
 POLL_S = 0.2  # how often it looks meanwhile (the workers follow within a second)
 
 
 def register(app: FastAPI, gw: Gateway) -> None:
+    if set(operator_keys(gw.settings.gateway.operator_key)) & {*gw.keys, gw.metrics_key}:
+        # a tenant (or Prometheus) holding the operator's key could load adapters for every tenant
+        raise ValueError("OPERATOR_KEY: a key of it is also an API_KEY or the METRICS_KEY; give the operator its own")
+
     @app.post("/v1/load_lora_adapter")
     async def load(request: Request) -> PlainTextResponse:
         _operator(request)

@@ -217,3 +217,13 @@ def test_a_refused_model_is_answered_with_the_served_ones_name_at_every_door(ser
         assert "'nope' is not served here" in message and f"'{SERVED}'" in message and "ada" in message
     finally:
         gateway.stop()
+
+
+def test_an_operator_key_that_is_also_a_tenants_or_the_metrics_key_is_refused_at_start(redis_url):
+    from weightq.gateway import create_app
+
+    for shared in (dict(api_key=f"{KEY},{OPERATOR}"), dict(metrics_key=OPERATOR)):
+        with pytest.raises(ValueError) as e:
+            create_app(Settings(redis_url=redis_url, operator_key=f"other,{OPERATOR}", **shared))
+        assert "OPERATOR_KEY" in str(e.value) and OPERATOR not in str(e.value)  # the key is never echoed
+    assert create_app(Settings(redis_url=redis_url, api_key=KEY, metrics_key="prom", operator_key=OPERATOR))
