@@ -25,7 +25,7 @@ from weightq.redis_conn import RedisUnreachable, check_reachable, connect_stream
 from weightq.settings import Settings
 
 from .redis_server import EmbeddedHold
-from .supervise import refuse_taken_ports, signals_ignored, stop_on_signals
+from .supervise import dies_with_parent, refuse_taken_ports, signals_ignored, stop_on_signals
 
 
 @dataclass
@@ -59,7 +59,12 @@ class Stack:
             self.redis_hold = EmbeddedHold(s.redis)
             self.url = self.redis_hold.acquire()
             print(f"weightq: embedded Redis at {redacted(self.url)} (data in {s.redis.home / 'redis'})", flush=True)
-        env = dict(os.environ, REDIS_URL=self.url, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.redis_hold:  # each child holds the embedded Redis too: should this process be killed, the last
+            env.pop("REDIS_URL", None)  # child out (dies_with_parent) still stops it
+            env["WEIGHTQ_HOME"] = str(s.redis.home)
+        else:
+            env["REDIS_URL"] = self.url
         py = [sys.executable, "-m"]
         self._spawn("worker", [*py, "weightq.cli", "worker", "-n", self.worker_name, "-l", "INFO"], env)
         gw = [*py, "weightq.cli", "gateway", "--host", self.host, "--port", str(self.port), "--log-level", "warning"]
@@ -87,6 +92,7 @@ class Stack:
             stdout=log or None,
             stderr=subprocess.STDOUT if log else None,
             start_new_session=True,
+            preexec_fn=dies_with_parent(),  # one prctl call between fork and exec
             cwd=Path(__file__).resolve().parents[2],
         )
         self.children.append(Child(name, proc, log))

@@ -43,7 +43,9 @@ def _common(body: dict, fields: set[str], served_model: str) -> dict:
         raise RequestError("body", "must be a JSON object")
     unknown = sorted(set(body) - fields)
     if unknown:
-        raise RequestError(field_name(unknown[0]), "unknown field")
+        ours = CLIENT_FIELDS.get(unknown[0])  # weightq's own name, sent to the OpenAI door
+        hint = f" (OpenAI's name for it: {ours})" if ours else ""
+        raise RequestError(field_name(unknown[0]), f"unknown field{hint}")
     model = body.get("model")
     # another name is a LoRA adapter of the base model: the workers' heartbeats say which they hold
     # (client: check_servable), and the job runs with it

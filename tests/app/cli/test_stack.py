@@ -132,16 +132,34 @@ def test_sigterm_and_sighup_stop_everything_as_ctrl_c_does(tmp_path, stacks):
         port = free_port()
         proc = _start_up(tmp_path / sig.name, port, stacks)
         url = (tmp_path / sig.name / "redis" / "url").read_text().strip()
-        assert _processes_with_env(f"REDIS_URL={url}"), "no children found to watch"
+        home = f"WEIGHTQ_HOME={tmp_path / sig.name}\0"  # the stack's children and its Redis carry it
+        assert len(_processes_with_env(home)) >= 3, "no children found to watch"
         proc.send_signal(sig)  # as systemd, a container runtime, `timeout` or a closed terminal would
         out, _ = proc.communicate(timeout=180)
         assert proc.returncode == 0 and "stopping" in out, out
-        assert _processes_with_env(f"REDIS_URL={url}") == [], f"children left running after {sig.name}"
+        assert _processes_with_env(home) == [], f"children left running after {sig.name}"
         try:
             redis.Redis.from_url(url, socket_timeout=1).ping()
             raise AssertionError(f"the embedded Redis outlived {sig.name}")
         except redis.ConnectionError:
             pass
+
+
+def test_a_killed_up_takes_its_children_and_the_embedded_redis_with_it(tmp_path, stacks):
+    """SIGKILL leaves `weightq up` no chance to stop anything: the kernel SIGTERMs its children (their
+    warm shutdown), and the last of them out stops the embedded Redis, so nothing keeps its ports."""
+    proc = _start_up(tmp_path, free_port(), stacks)
+    home = f"WEIGHTQ_HOME={tmp_path}\0"  # the stack's children and its Redis carry it
+    assert len(_processes_with_env(home)) >= 3, "no children found to watch"
+    proc.kill()
+    proc.wait(10)
+    deadline = time.monotonic() + 180
+    while _processes_with_env(home) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _processes_with_env(home) == [], "children left running after weightq up was killed"
+    while _redis_servers_in(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _redis_servers_in(tmp_path) == [], "the embedded Redis outlived weightq up and its children"
 
 
 def test_up_and_gateway_refuse_a_port_in_use_before_saying_ready(tmp_path):

@@ -197,3 +197,12 @@ def test_the_fuzzed_routes_are_every_post_route_of_the_openapi_document(live):
     _, gateway = live
     paths = httpx.get(gateway.base + "/openapi.json", timeout=10).json()["paths"]
     assert {p for p, ops in paths.items() if "post" in ops} == set(ROUTES)
+
+
+@pytest.mark.parametrize("ours", sorted(openai_api.CLIENT_FIELDS))
+def test_weightqs_own_name_at_the_openai_door_names_openais(ours):
+    """A client that sends weightq's field name (max_new_tokens) to an OpenAI route is told OpenAI's."""
+    with pytest.raises(RequestError) as refused:
+        openai_api.completion_job({"prompt": "hi", ours: 3}, "m")
+    assert refused.value.field == ours
+    assert f"OpenAI's name for it: {openai_api.CLIENT_FIELDS[ours]}" in str(refused.value)
