@@ -4,9 +4,10 @@ component receives alone: `settings.redis`, `.served`, `.engine`, `.batcher`, `.
 `.queues`, `.gateway`, `.metrics` (as Celery's `broker_*`, `worker_*`, `task_*`).
 
 Why it is built this way:
-- Environment names never change: a field's variable is its name upper-cased, or, where the group
-  says what its name used to (`gateway.port`, `batcher.mode`, `redis.url`), its alias (GATEWAY_PORT,
-  BATCHER_MODE, REDIS_URL). `ENV` maps every variable to its group and field.
+- One rule names every variable, and names never change: a field's name upper-cased, unless the field
+  declares an alias (where the bare name says too little), its group's prefix and name: REDIS_* (every
+  `redis` field but streams_sentinel_master and weightq_home; streams_url: STREAMS_REDIS_URL),
+  BATCHER_MODE, STREAM_{MAXLEN,FLUSH_MS,TTL_S}, {GATEWAY,METRICS}_{HOST,PORT}. `ENV` maps them all.
 - A group is validated when it is first read, from the raw values `Settings` keeps, so a process
   checks only what it uses: the gateway and the client never read `settings.engine`, and a bad
   TORCH_THREADS stops the worker (which calls `check()` at start), not them. A bad value raises
@@ -14,7 +15,9 @@ Why it is built this way:
 - One way to build settings in code: `Settings(**values)` with the variables' names lower-cased
   (`Settings(queue="q", gateway_port=0)`), routed to their groups; `replace()` for a changed copy.
   A group alone is built by its own class (`GatewaySettings(port=0)`).
-- The engine's config (`EngineConfig`) uses the groups' names and defaults (a test compares them).
+- Only entry points call `from_env` (the CLI, the Celery app module, the gateway's app factory, a
+  `Client()` given none); the rest is given settings, the engine an `EngineConfig` of the same names
+  and defaults (the worker's `engine_config`).
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import ipaddress
 import os
 import re
 from collections.abc import Mapping
+from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, Generic, Literal, TypeVar, overload
+from typing import Annotated, Any, Literal, TypeVar
 
 from dotenv import dotenv_values
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -379,33 +383,16 @@ def validated(cls: type[G], raw: Mapping[str, Any]) -> G:
         raise ValueError("; ".join(problems)) from None
 
 
-class GroupOf(Generic[G]):
-    """A group of Settings, by the attribute's name: validated on first read (Settings._group)."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    @overload
-    def __get__(self, obj: None, owner: type | None = None) -> GroupOf[G]: ...
-    @overload
-    def __get__(self, obj: Settings, owner: type | None = None) -> G: ...
-    def __get__(self, obj: Settings | None, owner: type | None = None) -> G | GroupOf[G]:
-        return self if obj is None else obj._group(self.name)
-
-
 class Settings:
     """Read with `Settings.from_env()`; built in code with `Settings(name=value, ...)`, the variables'
     names lower-cased (only what it is given: the environment is not read). Groups are validated on
     first use; `check()` validates them all (the worker, at start)."""
-
-    __slots__ = ("_groups", "_raw")
 
     def __init__(self, **values: Any) -> None:
         unknown = [k for k in values if k.upper() not in ENV]
         if unknown:
             raise TypeError(f"unknown settings: {', '.join(unknown)} (a setting is its variable lower-cased)")
         self._raw = {k.upper(): v for k, v in values.items()}
-        self._groups: dict[str, Group] = {}
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, env_file: str | Path | None = ENV_FILE) -> Settings:
@@ -426,28 +413,48 @@ class Settings:
         problems = []
         for name in GROUPS:
             try:
-                self._group(name)
+                getattr(self, name)
             except ValueError as e:
                 problems.append(str(e))
         if problems:
             raise ValueError("; ".join(problems))
         return self
 
-    def _group(self, name: str) -> Any:
-        group = self._groups.get(name)
-        if group is None:  # two threads may both build it: the same value either way
-            group = self._groups[name] = validated(GROUPS[name], self._raw)
-        return group
+    @cached_property
+    def redis(self) -> RedisSettings:
+        return validated(RedisSettings, self._raw)
 
-    redis: GroupOf[RedisSettings] = GroupOf()
-    served: GroupOf[ServedSettings] = GroupOf()
-    engine: GroupOf[EngineSettings] = GroupOf()
-    batcher: GroupOf[BatcherSettings] = GroupOf()
-    worker: GroupOf[WorkerSettings] = GroupOf()
-    stream: GroupOf[StreamSettings] = GroupOf()
-    queues: GroupOf[QueueSettings] = GroupOf()
-    gateway: GroupOf[GatewaySettings] = GroupOf()
-    metrics: GroupOf[MetricsSettings] = GroupOf()
+    @cached_property
+    def served(self) -> ServedSettings:
+        return validated(ServedSettings, self._raw)
+
+    @cached_property
+    def engine(self) -> EngineSettings:
+        return validated(EngineSettings, self._raw)
+
+    @cached_property
+    def batcher(self) -> BatcherSettings:
+        return validated(BatcherSettings, self._raw)
+
+    @cached_property
+    def worker(self) -> WorkerSettings:
+        return validated(WorkerSettings, self._raw)
+
+    @cached_property
+    def stream(self) -> StreamSettings:
+        return validated(StreamSettings, self._raw)
+
+    @cached_property
+    def queues(self) -> QueueSettings:
+        return validated(QueueSettings, self._raw)
+
+    @cached_property
+    def gateway(self) -> GatewaySettings:
+        return validated(GatewaySettings, self._raw)
+
+    @cached_property
+    def metrics(self) -> MetricsSettings:
+        return validated(MetricsSettings, self._raw)
 
 
 def _known(values: Mapping[str, str | None]) -> dict[str, str]:

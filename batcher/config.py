@@ -8,15 +8,14 @@ from typing import Literal
 from .request import DEFAULT_PRIORITY
 
 WeightModelName = Literal["token", "padded"]
-Mode = Literal["worst_case", "predictive"]
+Mode = Literal["auto", "worst_case", "predictive"]
 
 
 class ConfigError(ValueError):
     """A configuration that cannot serve even one maximal request."""
 
 
-# The one default of the share kept for higher classes: the engine's, the simulator's and (kept equal by
-# tests/app/test_settings.py) PRIORITY_HEADROOM's.
+# The one default of the share kept for higher classes (PRIORITY_HEADROOM's: tests/app/test_settings.py).
 PRIORITY_HEADROOM = 0.1
 
 
@@ -25,26 +24,33 @@ class BatcherConfig:
     """How the batcher spends the KV budget.
 
     max_batch_weight: tokens of KV memory (token model) or batch_size x padded length (padded model).
-        None means "infer": max_batch_size x max_total_tokens; the engine may instead derive it from
+        0 means "infer": max_batch_size x max_total_tokens; the engine may instead derive it from
         free memory before calling `resolved()`.
     max_batch_size: a cap on running requests; 0 means the weight alone limits the batch.
-    max_total_tokens: the longest input + max_new_tokens a request may ask for.
+    max_total_tokens: the longest input + max_new_tokens a request may ask for; 0: the model's context
+        limit, which the engine fills in (a batcher alone must be given it).
     max_prefill_weight: prompt tokens (prefill weight) admitted into one step; 0 turns the cap off.
     chunked_prefill: split prompts longer than the cap across steps (token model only).
+    block_size: tokens per KV block (token model); 0: the attention backend's, which the engine fills in
+        (16 for SDPA, 256 for flash-attn, whose paged kernels need multiples of 256).
     jump_window_s: a later request may be admitted ahead of a waiting one that does not fit only if
         it arrived within this many seconds after it; 0 turns jumping off (strict FIFO).
     max_wait_s: once the first blocked request has waited this long, nothing jumps past it.
     jump_scan: at most this many waiting requests are examined past the first blocked one per step,
         which bounds the cost of a step when thousands wait.
     mode: "worst_case" reserves max_new_tokens (never preempts); "predictive" reserves each request's
-        expected output length and preempts the newest requests when a reservation must grow and cannot.
+        expected output length and preempts the newest requests when a reservation must grow and cannot;
+        "auto": predictive for the token model (measured to win under memory pressure: bench.peer --suite
+        pressure), worst_case for the padded one (the padded runner cannot preempt: the engine refuses
+        predictive there).
     predictive_margin: predictive mode's safety margin, in standard deviations of the running set's
         total remaining output, held back from admission; the batcher widens it after preemptions
         past its allowance and lets it ease back as requests finish.
     priority_headroom: share of max_batch_weight that requests of a class below `headroom_priority` may
         not take while anything runs: room kept for a higher-class request to start at once.
     prefix_cache: keep the KV blocks of prompts (keyed by their tokens) after their requests finish
-        and let later requests with the same prefix reuse them (token model; requests carry the keys).
+        and let later requests with the same prefix reuse them (token model with a full kind; requests
+        carry the keys).
     max_preemptions: a request preempted this many times is readmitted with its worst case reserved
         and is not preempted again while others can be.
     kinds: the token model's attention kinds (batcher/weight.py): (pages per block, ring blocks) each,
@@ -64,22 +70,22 @@ class BatcherConfig:
         once beside another's flood.
     """
 
-    max_batch_weight: int | None = None
+    max_batch_weight: int = 0
     max_batch_size: int = 0
-    max_total_tokens: int = 2048
-    max_prefill_weight: int = 0
+    max_total_tokens: int = 0
+    max_prefill_weight: int = 2048
     chunked_prefill: bool = True
     weight_model: WeightModelName = "token"
-    block_size: int = 1
+    block_size: int = 0
     jump_window_s: float = 1.0
     max_wait_s: float = 30.0
     jump_scan: int = 256
-    mode: Mode = "worst_case"
+    mode: Mode = "auto"
     predictive_margin: float = 0.75
     predictive_min_samples: int = 32
     predictive_window: int = 4096
     max_preemptions: int = 2
-    prefix_cache: bool = False
+    prefix_cache: bool = True
     priority_headroom: float = PRIORITY_HEADROOM
     headroom_priority: int = DEFAULT_PRIORITY
     kinds: tuple[tuple[int, int], ...] = ((1, 0),)
@@ -90,20 +96,24 @@ class BatcherConfig:
     class_preemption: bool = True
 
     def resolved(self) -> BatcherConfig:
-        """Fill in max_batch_weight and check that one maximal request fits; raises ConfigError."""
+        """Fill in max_batch_weight and mode "auto", turn off what the weight model cannot use (prefix
+        caching, chunks of a padded batch) and check that one maximal request fits; raises ConfigError."""
         cfg = self
-        if cfg.max_total_tokens < 2:
-            raise ConfigError(f"max_total_tokens must be >= 2 (got {cfg.max_total_tokens})")
-        if cfg.block_size < 1:
-            raise ConfigError(f"block_size must be >= 1 (got {cfg.block_size})")
-        if cfg.max_batch_size < 0 or cfg.max_prefill_weight < 0:
-            raise ConfigError("max_batch_size and max_prefill_weight must be >= 0")
+        for name, least in (("max_total_tokens", 2), ("block_size", 1)):
+            if (value := getattr(cfg, name)) < least:
+                unset = ", the engine's to fill in: a batcher alone needs it" if value == 0 else ""
+                raise ConfigError(f"{name} must be >= {least} (got {value}{unset})")
+        if cfg.max_batch_weight < 0 or cfg.max_batch_size < 0 or cfg.max_prefill_weight < 0:
+            raise ConfigError("max_batch_weight, max_batch_size and max_prefill_weight must be >= 0")
         if cfg.weight_model not in ("token", "padded"):
             raise ConfigError(f"weight_model must be 'token' or 'padded' (got {cfg.weight_model!r})")
-        if cfg.mode not in ("worst_case", "predictive"):
-            raise ConfigError(f"mode must be 'worst_case' or 'predictive' (got {cfg.mode!r})")
-        if cfg.weight_model == "padded" and cfg.chunked_prefill and cfg.max_prefill_weight:
-            cfg = replace(cfg, chunked_prefill=False)  # a padded batch prefills whole prompts
+        if cfg.mode not in ("auto", "worst_case", "predictive"):
+            raise ConfigError(f"mode must be 'auto', 'worst_case' or 'predictive' (got {cfg.mode!r})")
+        if cfg.weight_model == "padded":  # a padded batch prefills whole prompts and keeps no blocks to reuse
+            chunked = cfg.chunked_prefill and not cfg.max_prefill_weight
+            cfg = replace(cfg, chunked_prefill=chunked, prefix_cache=False)
+        if cfg.mode == "auto":
+            cfg = replace(cfg, mode="predictive" if cfg.weight_model == "token" else "worst_case")
         if not 0.0 <= cfg.tenant_cap <= 1.0:
             raise ConfigError(f"tenant_cap must be in [0, 1] (got {cfg.tenant_cap})")
         if not 0.0 <= cfg.priority_headroom < 1.0:
@@ -134,7 +144,7 @@ class BatcherConfig:
             one = TokenWeight(cfg.block_size, cfg.kinds).seq(cfg.max_total_tokens)
         else:
             one = cfg.max_total_tokens
-        if cfg.max_batch_weight is None:
+        if not cfg.max_batch_weight:
             if cfg.max_batch_size <= 0:
                 raise ConfigError(
                     "max_batch_weight is unset and cannot be inferred: set max_batch_weight, or "

@@ -39,9 +39,12 @@ def config(block_size: int, budget: int, kinds: tuple) -> BatcherConfig:
     return BatcherConfig(
         max_batch_weight=budget,
         max_total_tokens=2048,
+        max_prefill_weight=0,
         block_size=block_size,
         jump_window_s=1e9,
         max_wait_s=1e9,
+        mode="worst_case",
+        prefix_cache=False,
         kinds=kinds,
         windows=(512,) * (len(kinds) - 1),
     )

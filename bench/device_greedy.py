@@ -9,6 +9,7 @@ import typing
 from pathlib import Path
 
 import torch
+from weightq.batcher import BatcherConfig
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from weightq.engine.attention.flash import available as flash_available
 
@@ -126,9 +127,11 @@ def greedy_phase(report: Report, sizes: Sizes, device: torch.device, workdir: Pa
             model=str(path),
             device=device.type,
             dtype="float32",
-            max_batch_weight=sizes.eq_budget,
-            max_total_tokens=sizes.eq_max_prompt + sizes.eq_max_new,
-            max_prefill_weight=sizes.eq_prefill,
+            batcher=BatcherConfig(
+                max_batch_weight=sizes.eq_budget,
+                max_total_tokens=sizes.eq_max_prompt + sizes.eq_max_new,
+                max_prefill_weight=sizes.eq_prefill,
+            ),
             check_invariants=True,
             allow_download=False,
             **kw,

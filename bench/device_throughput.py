@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from weightq.batcher import BatcherConfig
 from weightq.engine import Engine, EngineConfig
 
 from .device_greedy import compare, compile_modes, reference_greedy
@@ -111,10 +112,10 @@ def throughput_phase(report: Report, sizes: Sizes, device: torch.device, workdir
         device=device.type,
         dtype=sizes.tp_dtype,
         attention="auto",
-        max_batch_weight=budget,
-        max_total_tokens=sizes.tp_prompt[1] + sizes.tp_new[1],
-        max_prefill_weight=2048,
         allow_download=False,
+        batcher=BatcherConfig(
+            max_batch_weight=budget, max_total_tokens=sizes.tp_prompt[1] + sizes.tp_new[1], max_prefill_weight=2048
+        ),
     )
     compiles = compile_modes()
     if device.type == "cpu" and "off" in compiles:

@@ -25,6 +25,7 @@ import random
 import time
 
 import torch
+from weightq.batcher import BatcherConfig
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from weightq.engine.model import builtin_path
 
@@ -51,7 +52,7 @@ def no_eos(max_new: int):
 
 def run_weightq(work, budget: int, policy: str = "weighted", warmup: bool = False) -> tuple[float, Engine, list]:
     mode = "predictive" if policy == "predictive" else "worst_case"
-    engine = Engine(EngineConfig(max_batch_weight=budget, max_prefill_weight=2048, mode=mode))
+    engine = Engine(EngineConfig(batcher=BatcherConfig(max_batch_weight=budget, max_prefill_weight=2048, mode=mode)))
     if policy == "static":
         from weightq.batcher.sim.policies import static_batcher
 

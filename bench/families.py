@@ -27,6 +27,7 @@ import time
 import torch
 import transformers as T
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from weightq.batcher import BatcherConfig
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from weightq.engine.model import builtin_path
 
@@ -105,12 +106,14 @@ def main() -> None:
                 EngineConfig(
                     model=path,
                     device="cpu",
-                    max_batch_weight=budget,
-                    max_total_tokens=args.context,
                     window_rings=rings,
-                    max_prefill_weight=args.context,  # a prompt a step: memory, not the prefill cap, bounds it
-                    mode="worst_case",
-                    prefix_cache=False,
+                    batcher=BatcherConfig(
+                        max_batch_weight=budget,
+                        max_total_tokens=args.context,
+                        max_prefill_weight=args.context,  # a prompt a step: memory, not the prefill cap, bounds it
+                        mode="worst_case",
+                        prefix_cache=False,
+                    ),
                 )
             )
             for rings in (True, False)

@@ -24,6 +24,7 @@ import statistics
 import time
 from dataclasses import replace
 
+from weightq.batcher import BatcherConfig
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, serving_threads
 
 VICTIMS, NEIGHBOURS, NEW_TOKENS = 8, 24, 48
@@ -129,7 +130,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    config = EngineConfig(max_batch_weight=16384, compile=args.compile)
+    config = EngineConfig(compile=args.compile, batcher=BatcherConfig(max_batch_weight=16384))
     engine = Engine(replace(config, torch_threads=serving_threads(config)))  # as a worker runs it
     engine.generate(stack(random.Random(1), True, "warm-"))
     result = {"compile": args.compile, **extras(engine, args.rounds, args.seed)}

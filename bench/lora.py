@@ -31,6 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from weightq.batcher import BatcherConfig
 from weightq.engine import Engine, EngineConfig
 from weightq.engine.model import builtin_path
 
@@ -78,9 +79,9 @@ def main() -> None:
     # vLLM first, while this process holds no engine (started beside two compiled engines, its core
     # process failed to initialise once)
     peer = vllm_side(adapters, work, args.rank, weight, args.rounds) if args.vllm else None
-    plain = Engine(EngineConfig(max_batch_weight=weight, max_total_tokens=512))
-    lora = Engine(EngineConfig(max_batch_weight=weight + 200 * args.adapters * args.rank, max_total_tokens=512,
-                               lora_modules=spec))  # fmt: skip
+    plain = Engine(EngineConfig(batcher=BatcherConfig(max_batch_weight=weight, max_total_tokens=512)))
+    room = BatcherConfig(max_batch_weight=weight + 200 * args.adapters * args.rank, max_total_tokens=512)
+    lora = Engine(EngineConfig(lora_modules=spec, batcher=room))
     names = sorted(adapters)
     base_reqs = requests(work, "b")
     mixed_reqs = [replace(r, id=f"m{i}", adapter=names[i % len(names)]) for i, r in enumerate(requests(work))]

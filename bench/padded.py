@@ -23,6 +23,7 @@ import logging
 import time
 
 import torch
+from weightq.batcher import BatcherConfig
 from weightq.engine import Engine, EngineConfig
 
 from .engine import requests, workload  # the same workload as the paged engine's benchmark
@@ -39,7 +40,9 @@ def no_eos(model, max_new: int):
 
 
 def run_weightq(work, budget: int) -> tuple[float, Engine, list]:
-    engine = Engine(EngineConfig(model=MODEL, device="cpu", max_batch_weight=budget, max_total_tokens=512))
+    engine = Engine(
+        EngineConfig(model=MODEL, device="cpu", batcher=BatcherConfig(max_batch_weight=budget, max_total_tokens=512))
+    )
     engine.generate(requests(work[:4], "warm"))
     t0 = time.perf_counter()
     results = engine.generate(requests(work))

@@ -81,6 +81,26 @@ def whole_workload_kv(n: int) -> int:
     return max(n * (256 + 128), MAX_MODEL_LEN)
 
 
+def weightq_config(kv_tokens: int, overrides: dict[str, Any]):
+    """weightq's EngineConfig at `kv_tokens` with --weightq-config's overrides, each given to the config
+    that declares it (the batcher's options to `EngineConfig.batcher`)."""
+    from weightq.batcher import BatcherConfig
+    from weightq.engine import EngineConfig
+
+    names = {f.name for f in dataclasses.fields(BatcherConfig)}
+    batcher = {k: v for k, v in overrides.items() if k in names}
+    engine = {k: v for k, v in overrides.items() if k not in names}
+    return EngineConfig(**engine, batcher=BatcherConfig(**{"max_batch_weight": kv_tokens, **batcher}))
+
+
+def weightq_fields() -> set[str]:
+    """The option names --weightq-config takes: EngineConfig's own and its BatcherConfig's."""
+    from weightq.batcher import BatcherConfig
+    from weightq.engine import EngineConfig
+
+    return {f.name for c in (EngineConfig, BatcherConfig) for f in dataclasses.fields(c)} - {"batcher"}
+
+
 def parse_overrides(items: list[str], allowed: set[str] | None = None) -> dict[str, Any]:
     """KEY=VALUE strings -> dict; values are JSON when they parse (1024, 0.5, true, null), else strings."""
     out: dict[str, Any] = {}
@@ -170,7 +190,7 @@ def kv_groups(cases: list[tuple[int, int | None]]) -> list[tuple[int, list[int]]
 
 def run_group(args, kv_tokens: int, sizes: list[int], python: Path, env: dict[str, str], wq_overrides: dict[str, Any]):
     """Start both sides once for this KV setting, then alternate rounds per case."""
-    from weightq.engine import Engine, EngineConfig
+    from weightq.engine import Engine
     from weightq.engine.model import builtin_path
 
     from .engine import NEAR_TIE, workload
@@ -182,7 +202,7 @@ def run_group(args, kv_tokens: int, sizes: list[int], python: Path, env: dict[st
 
     warm = workload(sizes[0], args.seed)[:WARMUP]
     t0 = time.perf_counter()
-    engine = Engine(EngineConfig(**{"max_batch_weight": kv_tokens, **wq_overrides}))
+    engine = Engine(weightq_config(kv_tokens, wq_overrides))
     wq_start = time.perf_counter() - t0
     t0 = time.perf_counter()
     run_weightq(engine, warm, "warm")
@@ -291,7 +311,9 @@ def main() -> None:
     )
     ap.add_argument("--pressure-kv", default="4096,8192", help="KV capacities (tokens) of the pressure cases")
     ap.add_argument("--threads", type=int, default=0, help="torch threads on both sides (0: torch's default here)")
-    ap.add_argument("--weightq-config", nargs="*", default=[], metavar="KEY=VALUE", help="EngineConfig fields")
+    ap.add_argument(
+        "--weightq-config", nargs="*", default=[], metavar="KEY=VALUE", help="EngineConfig and BatcherConfig fields"
+    )
     ap.add_argument("--vllm-config", nargs="*", default=[], metavar="KEY=VALUE", help="extra LLM(...) arguments")
     ap.add_argument("--vllm-bind", help="VLLM_CPU_OMP_THREADS_BIND (default: the first --threads usable CPUs)")
     ap.add_argument("--peer-python", help=f"the peer venv's python (default: ${PEER_ENV} or {DEFAULT_PEER})")
@@ -319,10 +341,9 @@ def main() -> None:
         ap.error(f"--pressure-kv: a comma-separated list of token counts (got {args.pressure_kv!r})")
 
     import torch
-    from weightq.engine import EngineConfig
 
     try:
-        wq_overrides = parse_overrides(args.weightq_config, {f.name for f in dataclasses.fields(EngineConfig)})
+        wq_overrides = parse_overrides(args.weightq_config, weightq_fields())
     except ValueError as e:
         ap.error(f"--weightq-config: {e}")
     if args.threads:

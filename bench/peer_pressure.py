@@ -107,11 +107,20 @@ def run_mode(engine, work, tag: str) -> dict[str, Any]:
 
 def run_pressure(args, kv_tokens: int, python: Path, env: dict[str, str], wq_overrides: dict[str, Any]) -> dict:
     """Both batcher modes and vLLM at one KV capacity, rounds rotating the order."""
-    from weightq.engine import Engine, EngineConfig
+    from weightq.engine import Engine
     from weightq.engine.model import builtin_path
 
     from .engine import NEAR_TIE
-    from .peer import MAX_MODEL_LEN, PEER_BLOCK, SETTLE_S, first_divergence, parse_overrides, reference_gaps, tally
+    from .peer import (
+        MAX_MODEL_LEN,
+        PEER_BLOCK,
+        SETTLE_S,
+        first_divergence,
+        parse_overrides,
+        reference_gaps,
+        tally,
+        weightq_config,
+    )
     from .peer_client import VllmPeer
 
     def log(msg: str) -> None:
@@ -119,7 +128,7 @@ def run_pressure(args, kv_tokens: int, python: Path, env: dict[str, str], wq_ove
 
     model_dir = builtin_path("tiny")
     work = pressure_work(args.seed)
-    engines = {m: Engine(EngineConfig(**{"max_batch_weight": kv_tokens, **wq_overrides, "mode": m})) for m in MODES}
+    engines = {m: Engine(weightq_config(kv_tokens, {**wq_overrides, "mode": m})) for m in MODES}
     for m, e in engines.items():
         run_mode(e, work[:4], f"warm-{m}-")
     start = {
@@ -191,10 +200,11 @@ def run_pressure(args, kv_tokens: int, python: Path, env: dict[str, str], wq_ove
 
 def choose_stop_ids(seed: int) -> list[dict]:
     """Run the workload to MAX_TOKENS (no stop ids) and list stop-id sets that give the wanted shape."""
+    from weightq.batcher import BatcherConfig
     from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 
     work = pressure_work(seed)
-    engine = Engine(EngineConfig(max_batch_weight=REQUESTS * (256 + MAX_TOKENS)))
+    engine = Engine(EngineConfig(batcher=BatcherConfig(max_batch_weight=REQUESTS * (256 + MAX_TOKENS))))
     params = SamplingParams(max_new_tokens=MAX_TOKENS, ignore_eos=True)
     reqs = [GenerationRequest(f"c{i}", prompt_token_ids=ids, params=params) for i, (ids, _) in enumerate(work)]
     return stop_sets([list(r.token_ids) for r in engine.generate(reqs)])

@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import redis
+from weightq.batcher import BatcherConfig
 from weightq.batcher.sim.simulator import percentile
 from weightq.cli.processes import WorkerProcess
 from weightq.cli.redis_server import EmbeddedRedis
@@ -63,7 +64,7 @@ def workload(n: int, seed: int) -> list[tuple[list[int], int]]:
 
 
 def inproc(work, runner: dict) -> tuple[float, dict]:
-    engine = Engine(EngineConfig(max_batch_weight=BUDGET, **runner))
+    engine = Engine(EngineConfig(batcher=BatcherConfig(max_batch_weight=BUDGET), **runner))
     engine.generate([GenerationRequest("warm", prompt_token_ids=work[0][0], params=SamplingParams(max_new_tokens=4))])
     reqs = [
         GenerationRequest(f"r{i}", prompt_token_ids=p, params=SamplingParams(max_new_tokens=n, ignore_eos=True))

@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from weightq.batcher import BatcherConfig
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from weightq.engine.model import builtin_path
 
@@ -85,7 +86,9 @@ def main() -> None:
     warm = work[:4]
     engines = {}
     for side, on in (("on", True), ("off", False)):
-        engines[side] = Engine(EngineConfig(max_batch_weight=KV_TOKENS, max_total_tokens=2048, prefix_cache=on))
+        engines[side] = Engine(
+            EngineConfig(batcher=BatcherConfig(max_batch_weight=KV_TOKENS, max_total_tokens=2048, prefix_cache=on))
+        )
         run_weightq(engines[side], warm, "warm")
     python = peer_python(args.peer_python)
     problem = "skipped (--no-peer)" if args.no_peer else peer_problem(python)

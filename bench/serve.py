@@ -37,6 +37,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from weightq.batcher import BatcherConfig
 from weightq.batcher.sim.simulator import percentile
 from weightq.cli.processes import GatewayProcess, WorkerProcess
 from weightq.cli.redis_server import EmbeddedRedis, free_port
@@ -324,7 +325,7 @@ def main() -> None:
     try:
         worker.wait_ready()
         gateway.wait_ready()
-        engine = Engine(EngineConfig(max_batch_weight=BUDGET, **runner))
+        engine = Engine(EngineConfig(batcher=BatcherConfig(max_batch_weight=BUDGET), **runner))
         model = "builtin:tiny"
         if not problem:
             vllm = VllmServer(python, builtin_path("tiny"), torch.get_num_threads(), home / "vllm.log").wait_ready()

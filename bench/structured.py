@@ -23,6 +23,7 @@ import json
 import statistics
 import time
 
+from weightq.batcher import BatcherConfig
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 
 from .engine import workload
@@ -83,7 +84,7 @@ def samples(work, tag: str, n: int = 8) -> list[GenerationRequest]:
 
 def n_sharing(shared: Engine, work, rounds: int) -> dict:
     """n = 8 samples of each prompt sharing its blocks vs as separate requests (cache off)."""
-    separate = Engine(EngineConfig(max_batch_weight=BUDGET, prefix_cache=False))
+    separate = Engine(EngineConfig(batcher=BatcherConfig(max_batch_weight=BUDGET, prefix_cache=False)))
     timed(separate, samples(work[:2], "warm"))
     side: dict[str, dict[str, list[float]]] = {
         "n8": {"tok_s": [], "prefill": []},
@@ -129,7 +130,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     work = workload(args.n, args.seed)
-    engine = Engine(EngineConfig(max_batch_weight=BUDGET))
+    engine = Engine(EngineConfig(batcher=BatcherConfig(max_batch_weight=BUDGET)))
     t0 = time.perf_counter()
     for schema in SCHEMAS:
         engine.grammars.compiled(("json_schema", json.dumps(schema)))

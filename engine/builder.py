@@ -7,11 +7,11 @@ import math
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import torch
-from weightq.batcher import DEFAULT_PRIORITY, Batcher, BatcherConfig, ConfigError
+from weightq.batcher import Batcher, ConfigError
 from weightq.batcher.sim.cost import StepCost
 
 from .attention import register
@@ -117,7 +117,7 @@ def build(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
         kind = "simulated" if cfg.runner == "simulated" else choose_runner(lm.model.config, cfg.runner)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    max_total = min(cfg.max_total_tokens or lm.context_limit, lm.context_limit)
+    max_total = min(cfg.batcher.max_total_tokens or lm.context_limit, lm.context_limit)
     max_input = min(cfg.max_input_length or max_total - 1, max_total - 1)
     if (cfg.lora_modules or cfg.enable_lora) and kind != "paged":
         raise ConfigError(f"lora_modules: LoRA adapters are served on the paged runner only (this model runs {kind})")
@@ -131,13 +131,10 @@ def build(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
     if loaded is not None:
         lm.model.set_attn_implementation(attn_name)
     backend, layout = _paged_layout(cfg, lm, backend, attn_name, max_total)
-    weight = cfg.max_batch_weight
-    if weight is None and cfg.max_batch_size:
-        weight = cfg.max_batch_size * -(-max_total // layout.block_size) * layout.block_size
     pages, why = derive_capacity(
         layout,
         lm.device,
-        max_batch_weight=weight,
+        max_batch_weight=paged_weight(cfg, max_total, layout.block_size),
         kv_cache_mb=cfg.kv_cache_mb,
         gpu_memory_fraction=cfg.gpu_memory_fraction,
     )
@@ -211,12 +208,12 @@ def _paged_layout(cfg: EngineConfig, lm: LoadedModel, backend: str, attn_name: s
         register(backend)
     c = calls[0]
     lm.geometry = KVGeometry(len(calls), c.kv_heads, c.k_dim, lm.dtype, c.v_dim)
-    block = cfg.block_size or (256 if backend == "flash" else 16)
-    chunk = (cfg.max_prefill_weight or max_total) if backend in FLASH_BACKENDS else 0
+    block = cfg.batcher.block_size or (256 if backend == "flash" else 16)
+    chunk = (cfg.batcher.max_prefill_weight or max_total) if backend in FLASH_BACKENDS else 0
     layout = KVLayout.build(lm.geometry, [c.window for c in calls], block, max_total, chunk, rings=cfg.window_rings)
     if layout.windows:
         log.info("attention kinds: %s", layout.describe())
-        if cfg.prefix_cache and not layout.has_full:
+        if cfg.batcher.prefix_cache and not layout.has_full:
             log.info("prefix cache off: every layer of this model has a sliding window (no block outlives it)")
     return backend, layout
 
@@ -252,10 +249,8 @@ def _build_simulated(cfg: EngineConfig, lm: LoadedModel, max_total: int, max_inp
     """The simulated device (engine/runner/simulated.py): the paged runner's batcher and block allocator, the
     model only for its tokenizer, vocabulary and limits. Its KV capacity, unless set, is what the
     model's real KV would fit in kv_cache_mb."""
-    block = cfg.block_size or 16
-    weight = cfg.max_batch_weight
-    if weight is None and cfg.max_batch_size:
-        weight = cfg.max_batch_size * -(-max_total // block) * block
+    block = cfg.batcher.block_size or 16
+    weight = paged_weight(cfg, max_total, block)
     cpu = torch.device("cpu")
     # the pool is sized as the model's real KV would be (its geometry), then allocated one float per token
     real = KVLayout.build(lm.geometry, [None] * lm.geometry.num_layers, block, max_total)
@@ -277,19 +272,17 @@ def _build_simulated(cfg: EngineConfig, lm: LoadedModel, max_total: int, max_inp
 
 
 def _build_padded(cfg: EngineConfig, lm: LoadedModel, max_total: int, max_input: int) -> EngineParts:
-    if cfg.mode == "predictive":
+    if cfg.batcher.mode == "predictive":
         raise ConfigError("mode: the padded runner supports worst_case only (predictive mode preempts)")
-    if cfg.mode not in ("auto", "worst_case"):
-        raise ConfigError(f"mode must be 'auto', 'worst_case' or 'predictive' (got {cfg.mode!r})")
     tok = lm.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else getattr(lm.model.config, "pad_token_id", None)
     runner = PaddedRunner(lm.model, lm.device, pad_id=pad or 0, decoder_start_id=lm.decoder_start_id)
-    weight = cfg.max_batch_weight
+    weight, size = cfg.batcher.max_batch_weight, cfg.batcher.max_batch_size
     if weight:
         why = f"max_batch_weight={weight} set explicitly"
-    elif cfg.max_batch_size:
-        weight = cfg.max_batch_size * max_total
-        why = f"max_batch_size {cfg.max_batch_size} x max_total_tokens {max_total}"
+    elif size:
+        weight = size * max_total
+        why = f"max_batch_size {size} x max_total_tokens {max_total}"
     else:
         per_unit, how = measure_padded(runner, lm)
         if lm.device.type == "cuda":
@@ -306,6 +299,13 @@ def _build_padded(cfg: EngineConfig, lm: LoadedModel, max_total: int, max_input:
     return EngineParts("padded", lm, runner, batcher, f"{weight} padded weight units ({why})", max_input)
 
 
+def paged_weight(cfg: EngineConfig, max_total: int, block_size: int) -> int:
+    """max_batch_weight of a token weight model: as set, else max_batch_size requests of max_total tokens
+    in whole blocks; 0: derive it from memory (`derive_capacity`)."""
+    b = cfg.batcher
+    return b.max_batch_weight or b.max_batch_size * -(-max_total // block_size) * block_size
+
+
 def make_batcher(
     cfg: EngineConfig,
     weight: int,
@@ -316,33 +316,23 @@ def make_batcher(
     layout: KVLayout | None = None,
     adapter_slot_weight: int = 0,
 ) -> Batcher:
-    """The one place an EngineConfig becomes a BatcherConfig: the paged runner's token weight
-    (`block_size` > 0; chunked prefill; mode "auto" is predictive) or the padded runner's (whole
-    prompts; it cannot preempt, so always worst_case). A config that cannot serve one maximal
-    request raises ConfigError saying where the budget came from (`why`)."""
-    paged = block_size > 0
+    """The one place the engine completes its BatcherConfig with what it found: the budget, the context
+    and the paged runner's token weight (`block_size` > 0, its attention kinds) or the padded runner's
+    (whole prompts; `resolved()` makes mode "auto" worst_case there). A config that cannot serve one
+    maximal request raises ConfigError saying where the budget came from (`why`)."""
+    paged, b = block_size > 0, cfg.batcher
+    config = replace(
+        b,
+        max_batch_weight=weight,
+        max_batch_size=min((n for n in (b.max_batch_size, cfg.max_running) if n), default=0),
+        max_total_tokens=max_total,
+        chunked_prefill=paged and b.chunked_prefill,
+        weight_model="token" if paged else "padded",
+        block_size=block_size or 1,
+        kinds=layout.weight_kinds() if layout is not None else ((1, 0),),
+        windows=tuple(k.window for k in layout.windows) if layout is not None else (),  # type: ignore[misc]
+    )
     try:
-        return Batcher(
-            BatcherConfig(
-                max_batch_weight=weight,
-                max_batch_size=min((n for n in (cfg.max_batch_size, cfg.max_running) if n), default=0),
-                max_total_tokens=max_total,
-                max_prefill_weight=cfg.max_prefill_weight,
-                chunked_prefill=paged,
-                weight_model="token" if paged else "padded",
-                block_size=block_size if paged else 1,
-                jump_window_s=cfg.jump_window_s,
-                max_wait_s=cfg.max_wait_s,
-                mode=("predictive" if cfg.mode == "auto" else cfg.mode) if paged else "worst_case",
-                predictive_margin=cfg.predictive_margin,
-                max_preemptions=cfg.max_preemptions,
-                prefix_cache=paged and cfg.prefix_cache,
-                priority_headroom=cfg.priority_headroom,
-                headroom_priority=DEFAULT_PRIORITY,
-                kinds=layout.weight_kinds() if layout is not None else ((1, 0),),
-                windows=tuple(k.window for k in layout.windows) if layout is not None else (),  # type: ignore[misc]
-            ),
-            adapter_slot_weight=adapter_slot_weight,
-        )
+        return Batcher(config, adapter_slot_weight=adapter_slot_weight)
     except ConfigError as e:
         raise ConfigError(f"{e} ({why})") from e

@@ -1,23 +1,24 @@
-"""Engine configuration: one frozen object (the worker builds it from its settings groups `served`,
-`engine` and `batcher`, field by field of the same name: one name and one default per option from the
-environment to the engine; tests/app/test_settings.py compares them)."""
+"""Engine configuration: one frozen object holding the batcher's (`BatcherConfig`, the one declaration
+of every admission option). The worker builds both from its settings groups `served`, `engine` and
+`batcher`, each setting into the field of its name (`engine_config`; tests/app/test_settings.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
-from weightq.batcher.config import PRIORITY_HEADROOM
+from weightq.batcher.config import BatcherConfig
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """model: builtin:tiny, a local directory, or a hub id in the local cache.
-    max_batch_weight: KV capacity in tokens; None derives it from max_batch_size x max_total_tokens
-        when max_batch_size is set, else from memory (kv_cache_mb MiB on the CPU, or gpu_memory_fraction of free
-        CUDA memory after loading).
-    max_total_tokens / max_input_length: 0 means the model's context limit (and that minus one).
-    block_size: 0 picks 16 for SDPA and 256 for flash-attn (its paged kernels need multiples of 256).
+    batcher: admission and the KV budget (batcher/config.py). The engine fills in what it leaves 0:
+        max_total_tokens (the model's context limit), block_size (the attention backend's),
+        max_batch_weight (max_batch_size x max_total_tokens when max_batch_size is set, else from memory:
+        kv_cache_mb MiB on the CPU, or gpu_memory_fraction of free CUDA memory after loading); the runner
+        picks its weight model (token: paged and simulated; padded: padded), which resolves mode "auto".
+    max_input_length: 0 means the batcher's max_total_tokens minus one.
     attention: "sdpa" (paged.py), "flash" (flash-attn's varlen kernel over the paged pool, CUDA), "auto"
         (flash where it can run), or "flash_reference": the flash path with a pure-torch stand-in of
         flash-attn's kernel (attention/flash_reference.py), which runs anywhere: for tests, never serving.
@@ -31,10 +32,6 @@ class EngineConfig:
         place, and the model's forward with dynamic token counts); compiled and warmed up at
         start-up (logged). "auto" turns it on where it was measured to win (CPU, paged runner), unless
         TORCH_COMPILE_DISABLE=1.
-    mode / predictive_margin / max_preemptions: the batcher's admission mode and its predictive
-        settings (batcher/config.py). "auto" is predictive on the paged runner (measured to win under
-        memory pressure: bench.peer --suite pressure) and worst_case on the padded one (it cannot
-        preempt).
     torch_threads: torch's intra-op threads for the engine (process-wide); 0: torch's default (one
         per core) for a model on the CPU, 1 for one on CUDA or the simulated device
         (setup.host_threads). With other busy processes on the same cores, fewer threads than cores
@@ -49,28 +46,17 @@ class EngineConfig:
     runner: Literal["auto", "paged", "padded", "simulated"] = "auto"
     compile: Literal["auto", "on", "off"] = "auto"
     torch_threads: int = 0
-    block_size: int = 0
-    max_batch_weight: int | None = None
-    max_batch_size: int = 0
+    batcher: BatcherConfig = field(default_factory=BatcherConfig)
     # requests its host can hold running at once (a worker: its task threads less those kept for urgent
     # and light jobs); the batcher's cap on running requests with max_batch_size, so that the batcher,
     # which sees classes and tenants' shares, is what binds (0: no such limit)
     max_running: int = 0
-    max_total_tokens: int = 0
     max_input_length: int = 0
-    max_prefill_weight: int = 2048
     kv_cache_mb: int = 512  # the CPU KV budget (MiB) when max_batch_weight is derived from memory
     gpu_memory_fraction: float = 0.85
-    mode: Literal["auto", "worst_case", "predictive"] = "auto"
-    predictive_margin: float = 0.75
-    max_preemptions: int = 2
-    jump_window_s: float = 1.0
-    max_wait_s: float = 30.0
     seed: int = 0
     allow_download: bool = True  # False: a hub id must already be in the local cache
     sim_step_cost: str = ""  # runner="simulated": "fixed_s,per_token_s,per_kv_token_s" (default: StepCost())
-    priority_headroom: float = PRIORITY_HEADROOM  # share of the budget classes below the default may not take
-    prefix_cache: bool = True  # paged runner: reuse the KV of repeated prompt prefixes (PREFIX_CACHE=0: off)
     # sliding-window layers keep a ring of their window plus one block (False: every block of the context,
     # each window a mask over it; the memory of a model of full layers, for comparison: bench.families)
     window_rings: bool = True

@@ -174,7 +174,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=None, help="default 1: off")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default="auto")
-    p.add_argument("--max-batch-weight", type=int, default=None, help="KV capacity in tokens (default: from memory)")
+    p.add_argument("--max-batch-weight", type=int, default=0, help="KV capacity in tokens (default 0: from memory)")
     p.set_defaults(func=cmd_generate)
 
 
@@ -191,7 +191,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from weightq.engine import Engine, EngineConfig, FinishEvent
     from weightq.worker.to_engine import engine_request
 
-    engine = Engine(EngineConfig(model=args.model, device=args.device, max_batch_weight=args.max_batch_weight))
+    batcher = BatcherConfig(max_batch_weight=args.max_batch_weight)
+    engine = Engine(EngineConfig(model=args.model, device=args.device, batcher=batcher))
     engine.start()
     try:
         handles = [engine.submit(engine_request(f"cli-{i}", job), stream=True) for i, job in enumerate(jobs)]

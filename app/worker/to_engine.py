@@ -8,25 +8,27 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+from weightq.batcher import BatcherConfig
 from weightq.engine import EngineConfig, GenerationRequest, SamplingParams
 from weightq.settings import BatcherSettings, EngineSettings, ServedSettings
 from weightq.tasks.request import JobRequest
 
 
 def engine_config(served: ServedSettings, engine: EngineSettings, batcher: BatcherSettings) -> EngineConfig:
-    """The engine's config from its three groups: every field keeps its settings name and default,
-    MAX_BATCH_WEIGHT=0 (derive it) aside, which the engine spells None."""
+    """The engine's config from its three groups: each setting goes, under its name and with its
+    default, to the one config that declares it (the batcher's options, MAX_TOTAL_TOKENS among them,
+    to `EngineConfig.batcher`)."""
+    groups = (served, engine, batcher)
     return EngineConfig(
-        **served.model_dump(include=ENGINE_FIELDS),
-        **engine.model_dump(include=ENGINE_FIELDS),
-        **batcher.model_dump(include=ENGINE_FIELDS - {"max_batch_weight"}),
-        max_batch_weight=batcher.max_batch_weight or None,
+        **{k: v for g in groups for k, v in g.model_dump(include=ENGINE_FIELDS).items()},
+        batcher=BatcherConfig(**{k: v for g in groups for k, v in g.model_dump(include=BATCHER_FIELDS).items()}),
     )
 
 
-# The settings that reach the engine: those of its config's names (SERVED_MODEL_NAME and ENGINE_PROCESS stay
-# with the worker). A test checks that every field of the three groups is either here or named as the worker's.
-ENGINE_FIELDS = frozenset(f.name for f in fields(EngineConfig))
+# The settings that reach the engine, by the config that declares them (SERVED_MODEL_NAME, ENGINE_PROCESS and
+# LORA_ROOT/LORA_HUB_IDS stay with the worker; tests/app/test_settings.py checks that nothing else is left out).
+ENGINE_FIELDS = frozenset(f.name for f in fields(EngineConfig)) - {"batcher"}
+BATCHER_FIELDS = frozenset(f.name for f in fields(BatcherConfig))
 
 
 # Every SamplingParams field but `guided` has a JobRequest field of the same name and meaning.

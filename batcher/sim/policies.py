@@ -29,7 +29,7 @@ def static_batcher(config: BatcherConfig, *, blocks: bool = False) -> Batcher:
     """The static policy at `config`'s budget: a fixed number of slots, sized for the worst case. In the
     simulator nothing bounds its blocks (it counts overflows); a real engine (`blocks`) needs them
     allocated: slots x max_total_tokens fit."""
-    cfg = replace(config, jump_window_s=0.0).resolved()
+    cfg = replace(config, jump_window_s=0.0, mode="worst_case").resolved()
     slots = cfg.max_batch_weight // cfg.max_total_tokens  # type: ignore[operator]
     return Batcher(cfg, Policy("static", "count", slots), pages=blocks)
 

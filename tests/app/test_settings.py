@@ -1,14 +1,14 @@
 """Settings come from the environment, typed, in groups, with the variable named in every error; each
-process validates the groups it reads (the worker all of them); the engine's config keeps their names
-and defaults."""
+process validates the groups it reads (the worker all of them); the engine's config (and the batcher's in
+it) keeps their names and defaults."""
 
 from dataclasses import fields
 from types import SimpleNamespace
 
 import pytest
 from weightq.celery_config import celery_config
-from weightq.settings import ENV, GROUPS, GatewaySettings, Settings
-from weightq.worker.to_engine import ENGINE_FIELDS, engine_config
+from weightq.settings import ENV, GROUPS, GatewaySettings, Settings, env_name
+from weightq.worker.to_engine import BATCHER_FIELDS, ENGINE_FIELDS, engine_config
 
 # Every variable the settings read before they were grouped (issue 43): the names must never change.
 NAMES_BEFORE_GROUPS = """
@@ -36,15 +36,36 @@ def test_the_environment_names_are_todays_one_field_each():
     assert set(ENV) == names and len(ENV) == sum(len(g.model_fields) for g in GROUPS.values())
 
 
+# The one rule's exceptions: a field that declares an alias (its group's prefix and its name), by group.
+ALIASED = {
+    "redis": "REDIS_",
+    "batcher": "BATCHER_",
+    "stream": "STREAM_",
+    "gateway": "GATEWAY_",
+    "metrics": "METRICS_",
+}
+
+
+def test_every_variable_is_its_field_upper_cased_or_the_alias_the_module_docstring_lists():
+    for group, cls in GROUPS.items():
+        for name, info in cls.model_fields.items():
+            if info.alias is None:
+                assert env_name(cls, name) == name.upper()
+            elif name == "streams_url":
+                assert info.alias == "STREAMS_REDIS_URL"
+            else:
+                assert info.alias == ALIASED[group] + name.upper(), (group, name)
+
+
 def test_from_env_types_and_defaults():
     env = {"MAX_BATCH_WEIGHT": "4096", "TASK_EVENTS": "on", "MODEL": "/models/x", "GPU_MEMORY_FRACTION": "0.5"}
     s = Settings.from_env(env | {"REDIS_URL": "", "gateway_port": "9000"}, env_file=None)
     assert s.batcher.max_batch_weight == 4096 and s.queues.task_events is True and s.served.model == "/models/x"
     assert s.engine.gpu_memory_fraction == 0.5 and s.redis.url == "" and s.worker.concurrency == 128
     assert s.gateway.port == 9000  # names are case-insensitive; a group's field may be shorter than its variable
-    assert engine_config(s.served, s.engine, s.batcher).max_batch_weight == 4096
+    assert engine_config(s.served, s.engine, s.batcher).batcher.max_batch_weight == 4096
     d = Settings()
-    assert engine_config(d.served, d.engine, d.batcher).max_batch_weight is None  # 0 means derive
+    assert engine_config(d.served, d.engine, d.batcher).batcher.max_batch_weight == 0  # 0 means derive
 
 
 def test_bad_values_name_the_variable_when_their_group_is_read():
@@ -110,25 +131,30 @@ def test_celery_config_is_json_only_late_ack_and_short_visibility():
     assert conf["broker_url"] == conf["result_backend"] == "redis://h:1/0"
 
 
-def test_one_name_and_one_default_per_option_from_the_environment_to_the_engine():
-    """The settings the engine takes reach it under the same name, with the same default (defaults once
-    differed: PRIORITY_HEADROOM 0.1 in the settings and the engine, 0.0 in the batcher; and KV_CACHE_MB
-    was cpu_kv_bytes, BATCHER_MODE mode, GRAMMAR_COMPILE_TIMEOUT_S grammar_timeout_s in the engine)."""
+def test_each_option_is_declared_once_and_each_setting_reaches_it_with_its_default():
+    """EngineConfig holds the batcher's config rather than re-declaring its options (they once had two
+    or three declarations with different defaults: PREFIX_CACHE, MAX_PREFILL_WEIGHT, BATCHER_MODE,
+    MAX_TOTAL_TOKENS, MAX_BATCH_WEIGHT and the block size), and every setting of the worker's three
+    groups goes to exactly one of them under its own name and default."""
     from weightq.batcher import BatcherConfig
     from weightq.batcher.config import PRIORITY_HEADROOM
     from weightq.engine import EngineConfig
 
+    assert not ENGINE_FIELDS & BATCHER_FIELDS and "batcher" not in ENGINE_FIELDS
     d = Settings()
     assert engine_config(d.served, d.engine, d.batcher) == EngineConfig()
     groups = [GROUPS["served"], GROUPS["engine"], GROUPS["batcher"]]
-    passed = {name for g in groups for name in g.model_fields if name in ENGINE_FIELDS}
+    names = [name for g in groups for name in g.model_fields]
+    assert len(names) == len(set(names))  # one setting per name across the three
     # the names clients see, the engine's process, and where run-time adapters may come from (the worker checks)
     not_engine = {"served_model_name", "engine_process", "lora_root", "lora_hub_ids"}
-    assert {name for g in groups for name in g.model_fields} - passed == not_engine
-    engine_defaults = {f.name: f.default for f in fields(EngineConfig)}
+    assert set(names) - ENGINE_FIELDS - BATCHER_FIELDS == not_engine
+    defaults = {f.name: f.default for f in fields(EngineConfig)} | {f.name: f.default for f in fields(BatcherConfig)}
     for g in groups:
-        for name in passed & set(g.model_fields):
-            want = None if name == "max_batch_weight" else g.model_fields[name].default  # 0: derive it
-            assert engine_defaults[name] == want, name
-    assert d.batcher.priority_headroom == PRIORITY_HEADROOM
-    assert BatcherConfig(max_batch_weight=1024, max_total_tokens=512).priority_headroom == PRIORITY_HEADROOM
+        for name in set(g.model_fields) - not_engine:
+            assert defaults[name] == g.model_fields[name].default, name
+    assert d.batcher.priority_headroom == PRIORITY_HEADROOM == BatcherConfig().priority_headroom
+    given = Settings(max_total_tokens=300, prefix_cache="0", batcher_mode="worst_case", model="m", kv_cache_mb=64)
+    cfg = engine_config(given.served, given.engine, given.batcher)
+    assert (cfg.model, cfg.kv_cache_mb) == ("m", 64)
+    assert (cfg.batcher.max_total_tokens, cfg.batcher.prefix_cache, cfg.batcher.mode) == (300, False, "worst_case")

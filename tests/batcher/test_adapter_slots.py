@@ -5,8 +5,10 @@ slot there may be is in use, and admission projects the slot with the request.""
 from __future__ import annotations
 
 import pytest
-from weightq.batcher import Batcher, BatcherConfig, Request, RequestRejected
+from weightq.batcher import Batcher, Request, RequestRejected
 from weightq.batcher.adapters import NEVER, AdapterSlots
+
+from tests.batcher.alone import alone
 
 
 def test_slots_grow_then_the_least_recently_used_idle_adapter_gives_its_up():
@@ -35,7 +37,7 @@ def test_an_adapter_unloaded_in_use_keeps_its_slot_until_its_last_request_leaves
 
 
 def test_admission_counts_the_slot_and_a_request_whose_adapter_can_never_fit_is_refused():
-    b = Batcher(BatcherConfig(max_batch_weight=1000, max_total_tokens=400, mode="worst_case"), adapter_slot_weight=300)
+    b = Batcher(alone(max_batch_weight=1000, max_total_tokens=400, mode="worst_case"), adapter_slot_weight=300)
     assert b.adapters.max_capacity == 2  # (1000 - one request of 400) // 300: one request still fits beside them
     b.submit(Request("base", 300, 100))
     b.submit(Request("x", 300, 100, adapter="a"))  # 400 + 400 + a slot of 300 > 1000: waits
@@ -44,6 +46,6 @@ def test_admission_counts_the_slot_and_a_request_whose_adapter_can_never_fit_is_
     b.cancel("base")
     plan = b.schedule(0.0)
     assert [r.id for r in plan.admitted] == ["x"] and b.budget == 700 and b.adapters.capacity == 1
-    none = Batcher(BatcherConfig(max_batch_weight=1000, max_total_tokens=400))
+    none = Batcher(alone(max_batch_weight=1000, max_total_tokens=400))
     with pytest.raises(RequestRejected, match="model: adapter 'a': no LoRA adapter slot fits"):
         none.submit(Request("y", 10, 10, adapter="a"))

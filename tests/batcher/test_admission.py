@@ -1,16 +1,18 @@
 """Hand-worked admission cases: the numbers here can be checked with pencil and paper."""
 
 import math
+from dataclasses import replace
 
 import pytest
 from weightq.batcher import Batcher, BatcherConfig, ConfigError, Entry, Request, RequestRejected, TokenProfile
 
+from tests.batcher.alone import alone
 from tests.drive import drive
 
 
 def batcher(budget=100, **kw) -> Batcher:
     kw.setdefault("max_total_tokens", budget)
-    return Batcher(BatcherConfig(max_batch_weight=budget, **kw))
+    return Batcher(alone(max_batch_weight=budget, **kw))
 
 
 def test_projection_admits_what_the_naive_sum_would_refuse():
@@ -162,12 +164,25 @@ def test_request_that_can_never_fit_is_rejected_at_submission():
 
 
 def test_config_inference_and_startup_error():
-    cfg = BatcherConfig(max_batch_size=4, max_total_tokens=2048).resolved()
+    cfg = alone(max_batch_size=4, max_total_tokens=2048).resolved()
     assert cfg.max_batch_weight == 8192
     with pytest.raises(ConfigError, match="below the weight of one max-length request"):
-        BatcherConfig(max_batch_weight=1000, max_total_tokens=2048).resolved()
+        alone(max_batch_weight=1000, max_total_tokens=2048).resolved()
     with pytest.raises(ConfigError, match="cannot be inferred"):
-        BatcherConfig().resolved()
+        alone().resolved()
+
+
+def test_the_engines_share_of_the_defaults_is_refused_unresolved_and_auto_follows_the_weight_model():
+    with pytest.raises(ConfigError, match=r"max_total_tokens must be >= 2 \(got 0, the engine's to fill in"):
+        BatcherConfig(max_batch_weight=4096).resolved()
+    with pytest.raises(ConfigError, match=r"block_size must be >= 1 \(got 0, the engine's to fill in"):
+        BatcherConfig(max_batch_weight=4096, max_total_tokens=256).resolved()
+    token = BatcherConfig(max_batch_weight=4096, max_total_tokens=256, block_size=16).resolved()
+    assert (token.mode, token.prefix_cache, token.chunked_prefill) == ("predictive", True, True)
+    padded = BatcherConfig(max_batch_weight=4096, max_total_tokens=256, block_size=1, weight_model="padded")
+    resolved = padded.resolved()
+    assert (resolved.mode, resolved.prefix_cache, resolved.chunked_prefill) == ("worst_case", False, False)
+    assert replace(padded, mode="predictive").resolved().mode == "predictive"  # a batcher alone may (the engine: no)
 
 
 def test_max_batch_size_caps_running_requests():
@@ -189,7 +204,7 @@ def test_cancel_frees_the_reservation_for_the_next_step():
 
 
 def test_block_rounding_counts_whole_blocks():
-    b = Batcher(BatcherConfig(max_batch_weight=64, max_total_tokens=32, block_size=16))
+    b = Batcher(alone(max_batch_weight=64, max_total_tokens=32, block_size=16))
     b.submit(Request("a", 17, 15))  # 32 tokens at finish = 2 blocks
     b.submit(Request("b", 1, 31))  # grows to 32 = 2 blocks
     # At step 2: a holds 19 tokens (2 blocks), b 3 (1 block), c 19 (2 blocks): 5 blocks = 80 > 64,
@@ -202,7 +217,7 @@ def test_block_rounding_counts_whole_blocks():
 
 
 def test_padded_weight_is_batch_size_times_longest_context():
-    b = Batcher(BatcherConfig(max_batch_weight=200, max_total_tokens=100, weight_model="padded"))
+    b = Batcher(alone(max_batch_weight=200, max_total_tokens=100, weight_model="padded"))
     b.submit(Request("long", 80, 20))  # peak 100 alone
     b.submit(Request("short", 5, 5))  # with "long": 2 x max(85+5, 10) = 180 at its finish, then 100
     b.submit(Request("third", 5, 5))  # 3 x 90 = 270: refused
@@ -210,7 +225,7 @@ def test_padded_weight_is_batch_size_times_longest_context():
 
 
 def test_predictive_reserves_estimates_and_preempts_newest_instead_of_overflowing():
-    cfg = BatcherConfig(
+    cfg = alone(
         max_batch_weight=200,
         max_total_tokens=200,
         mode="predictive",
@@ -250,7 +265,7 @@ def test_room_counts_waiting_work_so_prefetch_never_stalls_on_the_prefill_cap():
 
 def _taught(budget: int, **kw) -> Batcher:
     """A predictive batcher whose estimator has seen outputs of 10 tokens."""
-    cfg = BatcherConfig(
+    cfg = alone(
         max_batch_weight=budget, max_total_tokens=200, mode="predictive", predictive_min_samples=4,
         jump_window_s=1e9, **kw,
     )  # fmt: skip
@@ -285,7 +300,7 @@ def test_preemptions_are_capped_per_request_and_tighten_the_margin():
 
 def test_the_batch_margin_holds_back_standard_deviations_of_the_running_sets_remaining_output():
     def taught(margin: float) -> Batcher:
-        cfg = BatcherConfig(
+        cfg = alone(
             max_batch_weight=2000, max_total_tokens=200, mode="predictive", predictive_min_samples=4,
             predictive_margin=margin, jump_window_s=1e9,
         )  # fmt: skip

@@ -7,6 +7,7 @@ from weightq.batcher import Batcher, BatcherConfig, Request
 from weightq.batcher.fairness import TenantShares, jain_index
 from weightq.batcher.sim import simulate_tenants
 
+from tests.batcher.alone import alone
 from tests.drive import drive
 
 
@@ -33,7 +34,7 @@ def test_a_tenant_back_from_idle_starts_at_the_active_minimum():
 
 
 def test_one_tenant_is_served_in_arrival_order_and_charged_nothing():
-    b = Batcher(BatcherConfig(max_batch_weight=64, max_total_tokens=32, jump_window_s=0.0))
+    b = Batcher(alone(max_batch_weight=64, max_total_tokens=32, jump_window_s=0.0))
     reqs = [Request(str(i), 8, 8, arrival_s=i * 0.1) for i in range(12)]
     for r in reqs:
         b.submit(r)
@@ -50,7 +51,7 @@ def test_one_tenant_is_served_in_arrival_order_and_charged_nothing():
 def test_a_light_tenant_is_not_starved_by_a_flood_and_throughput_holds():
     """The `weightq sim --preset tenants` case: a 1,000-request batch at t=0 and one request a second from
     another tenant, one class. First come first served makes the light tenant wait for the whole batch."""
-    cfg = BatcherConfig(max_batch_weight=16384, max_total_tokens=2048, max_prefill_weight=4096).resolved()
+    cfg = alone(max_batch_weight=16384, max_total_tokens=2048, max_prefill_weight=4096).resolved()
     out = simulate_tenants(cfg, flood=400, light_rate=1.0)
     assert out["light_ttft_p99_fcfs_s"] > 20 * out["light_ttft_p99_s"]
     assert out["light_ttft_p99_ratio"] < 4  # of its TTFT alone: it starts within a step or two
@@ -67,7 +68,7 @@ def test_a_tenant_at_its_share_keeps_its_own_order_when_a_preemption_frees_it():
     """Tenant a at its share is passed over; b's request then preempts one of a's, which frees a's
     share in the same pass: a's later, smaller request must not start ahead of its earlier one
     (found by test_properties with jumping off)."""
-    cfg = BatcherConfig(
+    cfg = alone(
         max_batch_weight=81, max_total_tokens=28, weight_model="padded", block_size=1, jump_window_s=0.0,
         mode="worst_case", fairness=True, tenant_cap=0.5, fair_preemption=True,
     )  # fmt: skip
@@ -89,7 +90,7 @@ def test_a_tenant_at_its_share_keeps_its_own_order_when_a_preemption_frees_it():
 
 def _count_bound(**kw) -> BatcherConfig:
     """A budget with room for everyone: the cap on running requests (a worker's task threads) binds."""
-    return BatcherConfig(max_batch_weight=100_000, max_total_tokens=256, max_batch_size=8, mode="worst_case", **kw)
+    return alone(max_batch_weight=100_000, max_total_tokens=256, max_batch_size=8, mode="worst_case", **kw)
 
 
 def _capped(b: Batcher) -> None:

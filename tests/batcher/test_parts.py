@@ -3,7 +3,7 @@ return values the Batcher applies (batcher/batcher.py). None of them is handed a
 
 from __future__ import annotations
 
-from weightq.batcher import BatcherConfig, Request, chain_keys, weight_model
+from weightq.batcher import Request, chain_keys, weight_model
 from weightq.batcher.adapters import AdapterSlots
 from weightq.batcher.admission import prefill_chunk, with_slot
 from weightq.batcher.fairness import TenantShares
@@ -12,6 +12,8 @@ from weightq.batcher.paging import NO_HIT, Paging
 from weightq.batcher.preemption import for_class, for_tenant, newest
 from weightq.batcher.projector import Projector
 from weightq.batcher.request import DECODING, PREFILLING
+
+from tests.batcher.alone import alone
 
 
 def _decoding(rid: str, tenant: str = "", admitted: int = 0, priority: int = 5, n: int = 10) -> Request:
@@ -99,12 +101,12 @@ def test_a_slot_under_the_cap_and_the_prefill_chunk_are_plain_rules():
     admits = with_slot(4, 4, lambda ids: True)
     assert not admits(set()) and admits({"x"})
     assert with_slot(0, 99, lambda ids: True)(set())  # no cap
-    cfg = BatcherConfig(max_batch_weight=10_000, max_prefill_weight=100)
+    cfg = alone(max_batch_weight=10_000, max_prefill_weight=100)
     w = weight_model("token", 1)
     assert prefill_chunk(cfg, w, 60, 0, 0, 0) == 60
     assert prefill_chunk(cfg, w, 60, 1, 60, 60) == 40  # chunked: what the cap leaves
     assert prefill_chunk(cfg, w, 60, 2, 60, 100) == 0  # the step's prefill is spent
-    padded = BatcherConfig(max_batch_weight=10_000, max_prefill_weight=100, weight_model="padded").resolved()
+    padded = alone(max_batch_weight=10_000, max_prefill_weight=100, weight_model="padded").resolved()
     assert prefill_chunk(padded, weight_model("padded", 1), 80, 1, 60, 60) is None  # waits to run alone
 
 
@@ -118,7 +120,7 @@ def test_the_outlook_spreads_many_finishes_as_quantiles():
 def test_a_request_admitted_with_a_hit_starts_after_its_cached_blocks():
     from weightq.batcher import Batcher
 
-    b = Batcher(BatcherConfig(max_batch_weight=4000, block_size=4, prefix_cache=True))
+    b = Batcher(alone(max_batch_weight=4000, block_size=4, prefix_cache=True))
     keys = chain_keys(list(range(16)), 4)
     b.submit(Request("a", 16, 2, prefix=keys))
     b.complete(b.schedule(0.0))

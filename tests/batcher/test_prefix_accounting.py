@@ -9,10 +9,12 @@ from dataclasses import replace
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from weightq.batcher import Batcher, BatcherConfig, BlockLedger, Entry, Request, TokenProfile, chain_keys
+from weightq.batcher import Batcher, BlockLedger, Entry, Request, TokenProfile, chain_keys
 from weightq.batcher.projection import ceil_to
 from weightq.batcher.sim.simulator import simulate
 from weightq.batcher.sim.trace import TraceRequest
+
+from tests.batcher.alone import alone
 
 SETTINGS = settings(
     max_examples=int(os.environ.get("WEIGHTQ_EXAMPLES", "120")),
@@ -112,7 +114,7 @@ def test_every_request_reads_its_own_kv(seed, predictive, block):
     rng = random.Random(seed)
     prompts = [[rng.randint(0, 50) for _ in range(40)] for _ in range(3)]
     budget = 24 * block * rng.randint(2, 4)
-    cfg = BatcherConfig(
+    cfg = alone(
         max_batch_weight=budget,
         max_total_tokens=min(budget, 64 + 2 * block),
         max_prefill_weight=rng.choice([0, 16, 48]),
@@ -175,7 +177,7 @@ def test_an_urgent_request_preempts_background_work_that_shares_a_cached_prompt(
     not fit still starts at once, preempting the newest background lines (the shared blocks stay
     cached for the others), and the preempted lines finish later with all their tokens."""
     block = 4
-    b = Batcher(BatcherConfig(max_batch_weight=160, max_total_tokens=64, block_size=block, prefix_cache=True))
+    b = Batcher(alone(max_batch_weight=160, max_total_tokens=64, block_size=block, prefix_cache=True))
     system = list(range(24))
     for i in range(8):
         ids = [*system, 100 + i, 101 + i]
@@ -210,7 +212,7 @@ def test_the_simulator_models_prefix_groups():
     trace = [
         TraceRequest(1200 + rng.randint(16, 64), rng.randint(4, 32), 32, 0.0, f"sys{i % 8}", 1200) for i in range(256)
     ]
-    cfg = BatcherConfig(max_batch_weight=32768, max_total_tokens=2048, max_prefill_weight=4096, block_size=16)
+    cfg = alone(max_batch_weight=32768, max_total_tokens=2048, max_prefill_weight=4096, block_size=16)
     runs = {on: simulate(trace, "weighted", replace(cfg, prefix_cache=on)) for on in (False, True)}
     assert runs[True]["overflow_steps"] == runs[False]["overflow_steps"] == 0
     assert runs[False]["cached_tokens"] == 0

@@ -3,13 +3,15 @@ simulator's mixed preset."""
 
 from __future__ import annotations
 
-from weightq.batcher import Batcher, BatcherConfig, Request, RequestRejected
+from weightq.batcher import Batcher, Request, RequestRejected
 from weightq.batcher.sim import simulate_mixed
+
+from tests.batcher.alone import alone
 
 
 def batcher(budget=100, **kw) -> Batcher:
     kw.setdefault("max_total_tokens", budget)
-    return Batcher(BatcherConfig(max_batch_weight=budget, **kw))
+    return Batcher(alone(max_batch_weight=budget, **kw))
 
 
 def test_a_higher_class_is_admitted_first_and_arrival_order_holds_within_a_class():
@@ -65,7 +67,7 @@ def test_priority_out_of_range_is_refused_by_name():
 
 
 def test_the_mixed_preset_keeps_interactive_ttft_and_throughput():
-    cfg = BatcherConfig(max_batch_weight=16384, max_total_tokens=2048, max_prefill_weight=4096, block_size=16,
+    cfg = alone(max_batch_weight=16384, max_total_tokens=2048, max_prefill_weight=4096, block_size=16,
                         priority_headroom=0.1)  # fmt: skip
     out = simulate_mixed(cfg, n=1500)
     assert out["overflow_steps"] == 0

@@ -11,6 +11,7 @@ from weightq.batcher import Batcher, BatcherConfig, Entry, Request, weight_model
 from weightq.batcher.projection import ceil_to
 from weightq.batcher.weight import UNIFORM
 
+from tests.batcher.alone import alone
 from tests.drive import drive
 
 # WEIGHTQ_EXAMPLES=5000 for a thorough run; CI keeps the default.
@@ -128,7 +129,7 @@ def workloads(draw):
     one = weight_model(model, block, kinds).seq(max_total)
     budget = draw(st.integers(one, 4 * one))
     cap = draw(st.sampled_from([0, 0, draw(st.integers(1, 2 * max_total))]))
-    cfg = BatcherConfig(
+    cfg = alone(
         max_batch_weight=budget,
         max_total_tokens=max_total,
         max_batch_size=draw(st.sampled_from([0, 0, draw(st.integers(1, 6))])),

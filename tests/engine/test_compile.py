@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from weightq.batcher import BatcherConfig
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from weightq.engine.attention import dense_attention
 from weightq.engine.attention.decode_kernel import compile_paged_decode, paged_decode
@@ -44,7 +45,9 @@ def test_compiled_tests_in_their_own_process():
 @pytest.fixture(scope="module")
 def compiled(tiny_loaded):
     cfg = EngineConfig(
-        compile="on", max_batch_weight=2048, max_total_tokens=672, max_prefill_weight=128, check_invariants=True
+        compile="on",
+        check_invariants=True,
+        batcher=BatcherConfig(max_batch_weight=2048, max_total_tokens=672, max_prefill_weight=128),
     )
     return Engine(cfg, loaded=tiny_loaded)
 
@@ -153,7 +156,7 @@ def test_compile_setting():
 def test_eager_engine_under_the_test_settings(tiny_loaded):
     if COMPILING:
         pytest.skip("the main process checks that tests run eager")
-    engine = Engine(EngineConfig(max_batch_weight=2048), loaded=tiny_loaded)
+    engine = Engine(EngineConfig(batcher=BatcherConfig(max_batch_weight=2048)), loaded=tiny_loaded)
     assert not engine.runner.compiled and engine.warmup_s == 0.0
     res = engine.generate([GenerationRequest("a", prompt_token_ids=[5, 6, 7], params=SamplingParams(max_new_tokens=3))])
     assert len(res[0].token_ids) == 3

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from weightq.batcher import BatcherConfig
 from weightq.engine import (
     Engine,
     EngineConfig,
@@ -25,7 +26,7 @@ from weightq.engine.builder import serving_threads
 from weightq.engine.model import ModelNotFound
 from weightq.engine.process import own_process
 
-CONFIG = EngineConfig(max_batch_weight=4096, compile="off")
+CONFIG = EngineConfig(compile="off", batcher=BatcherConfig(max_batch_weight=4096))
 
 
 def req(rid: str, prompt: str, n: int, **params) -> GenerationRequest:
@@ -156,9 +157,10 @@ def test_the_child_exits_when_its_parent_is_killed(tmp_path):
     script = textwrap.dedent(
         """
         import time
+        from weightq.batcher import BatcherConfig
         from weightq.engine import EngineConfig, EngineProcess
         if __name__ == "__main__":
-            proc = EngineProcess(EngineConfig(max_batch_weight=4096, compile="off"))
+            proc = EngineProcess(EngineConfig(compile="off", batcher=BatcherConfig(max_batch_weight=4096)))
             proc.start()
             print(proc.pid, flush=True)
             time.sleep(600)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from weightq.batcher import BatcherConfig
 from weightq.engine import Engine, EngineConfig
 from weightq.engine.attention.flash import available as flash_available
 
@@ -28,10 +29,8 @@ def test_sdpa_backend_on_cuda_matches_generate(tiny_path):
             device="cuda",
             dtype="float32",
             attention="sdpa",
-            max_batch_weight=2048,
-            max_total_tokens=672,
-            max_prefill_weight=128,
             check_invariants=True,
+            batcher=BatcherConfig(max_batch_weight=2048, max_total_tokens=672, max_prefill_weight=128),
         )
     )
     reqs = mixed_requests(24, seed=5)
@@ -49,10 +48,8 @@ def test_flash_backend_matches_generate_in_bf16(tiny_path):
             device="cuda",
             dtype="bfloat16",
             attention="flash",
-            max_batch_weight=4096,
-            max_total_tokens=672,
-            max_prefill_weight=256,
             check_invariants=True,
+            batcher=BatcherConfig(max_batch_weight=4096, max_total_tokens=672, max_prefill_weight=256),
         )
     )
     assert engine.backend == "flash" and engine.runner.cache.block_size == 256
@@ -62,7 +59,7 @@ def test_flash_backend_matches_generate_in_bf16(tiny_path):
 
 @flash
 def test_flash_is_chosen_automatically_on_cuda():
-    engine = Engine(EngineConfig(max_batch_weight=4096))
+    engine = Engine(EngineConfig(batcher=BatcherConfig(max_batch_weight=4096)))
     assert engine.backend == "flash"
 
 
@@ -86,7 +83,11 @@ def test_the_cuda_runner_overlaps_the_host_work_and_gives_the_same_tokens():
     """On CUDA forward() returns once the kernels are queued: the last step's text and events are made
     while they run (StepOutputs.finish_deferred), and the device time comes from CUDA events."""
     config = EngineConfig(
-        device="cuda", dtype="float32", attention="sdpa", max_batch_weight=2048, check_invariants=True
+        device="cuda",
+        dtype="float32",
+        attention="sdpa",
+        check_invariants=True,
+        batcher=BatcherConfig(max_batch_weight=2048),
     )
     outputs = []
     for asynchronous in (True, False):
@@ -115,10 +116,8 @@ def test_window_softcap_sink_and_mla_families_on_cuda(name, tmp_path, tiny_path)
             model=path,
             device="cuda",
             dtype="float32",
-            max_batch_weight=8192,
-            max_total_tokens=320,
-            max_prefill_weight=256,
             check_invariants=True,
+            batcher=BatcherConfig(max_batch_weight=8192, max_total_tokens=320, max_prefill_weight=256),
         )
     )
     if name in ("gpt_oss", "deepseek_v3_mla"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from weightq.batcher import BatcherConfig
 from weightq.engine import Engine, EngineConfig, GenerationRequest, ModelNotFound, SamplingParams
 from weightq.engine.model import load_model
 
@@ -21,9 +22,10 @@ def tight_engine(tiny_loaded, **kw) -> Engine:
     # 2,048 KV tokens for prompts up to 512 + 160 new: at most a few requests fit at once.
     # Real time drives jumping: on a slow machine a run outlasts the default max_wait_s (30 s) and then
     # nothing may jump, so the window is set past any run.
-    cfg = dict(max_batch_weight=2048, max_total_tokens=672, max_prefill_weight=128, check_invariants=True,
-               max_wait_s=1e9, jump_window_s=1e9)  # fmt: skip
-    return Engine(EngineConfig(**{**cfg, **kw}), loaded=tiny_loaded)
+    limits = dict(
+        max_batch_weight=2048, max_total_tokens=672, max_prefill_weight=128, max_wait_s=1e9, jump_window_s=1e9
+    )
+    return Engine(EngineConfig(check_invariants=True, batcher=BatcherConfig(**(limits | kw))), loaded=tiny_loaded)
 
 
 def test_greedy_matches_generate_under_a_tight_budget(tiny_loaded, reference_model, workload):
@@ -69,7 +71,7 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(tiny_loaded):
     )
     target = GenerationRequest("target", prompt="The scheduler admits", params=params)
     alone = Engine(EngineConfig(check_invariants=True), loaded=tiny_loaded).generate([target])[0]
-    busy = Engine(EngineConfig(check_invariants=True, max_prefill_weight=64), loaded=tiny_loaded)
+    busy = Engine(EngineConfig(check_invariants=True, batcher=BatcherConfig(max_prefill_weight=64)), loaded=tiny_loaded)
     others = [
         GenerationRequest(
             f"o{i}",
@@ -177,7 +179,10 @@ def test_cancel_mid_generation_frees_the_blocks(tiny_loaded):
 
 
 def test_cancel_a_queued_request(tiny_loaded):
-    engine = Engine(EngineConfig(check_invariants=True, max_batch_size=1, max_total_tokens=256), loaded=tiny_loaded)
+    engine = Engine(
+        EngineConfig(check_invariants=True, batcher=BatcherConfig(max_batch_size=1, max_total_tokens=256)),
+        loaded=tiny_loaded,
+    )
     a = engine.submit(GenerationRequest("a", prompt="first", params=SamplingParams(max_new_tokens=50, ignore_eos=True)))
     b = engine.submit(GenerationRequest("b", prompt="second", params=SamplingParams(max_new_tokens=5)))
     engine.step()
@@ -215,7 +220,7 @@ def test_stop_token_ids_end_generation_keep_the_id_and_drop_its_text(tiny_loaded
 
 def test_no_max_new_tokens_runs_to_the_context_limit(tiny_loaded):
     """OpenAI's chat without max_tokens (tasks/limits.py: DEFAULTS) reaches the engine as None."""
-    engine = Engine(EngineConfig(check_invariants=True, max_total_tokens=48), loaded=tiny_loaded)
+    engine = Engine(EngineConfig(check_invariants=True, batcher=BatcherConfig(max_total_tokens=48)), loaded=tiny_loaded)
     params = SamplingParams(max_new_tokens=None, ignore_eos=True)
     done = engine.generate([GenerationRequest("ctx", prompt="The engine admits", params=params)])[0]
     assert done.reason == "length" and done.prompt_tokens + done.completion_tokens == 48
@@ -223,7 +228,9 @@ def test_no_max_new_tokens_runs_to_the_context_limit(tiny_loaded):
 
 def test_bad_requests_fail_alone_with_errors_naming_the_field(tiny_loaded):
     """What needs the model (the contract checked the rest: tests/tasks/test_request.py)."""
-    engine = Engine(EngineConfig(check_invariants=True, max_total_tokens=128), loaded=tiny_loaded)
+    engine = Engine(
+        EngineConfig(check_invariants=True, batcher=BatcherConfig(max_total_tokens=128)), loaded=tiny_loaded
+    )
     bad = {"max_new_tokens": SamplingParams(max_new_tokens=0)}  # the batcher's own check
     reqs = [GenerationRequest(f"bad-{k}", prompt="hi", params=p) for k, p in bad.items()]
     reqs.append(GenerationRequest("too-long", prompt_token_ids=[5] * 200))
@@ -281,10 +288,10 @@ def test_kv_capacity_derivation(tiny_loaded):
     assert per_token == 2 * 4 * 4 * 32 * 4  # K and V x layers x kv heads x head dim x fp32
     assert engine.batcher.budget == (8 * 2**20 // (per_token * 16)) * 16
     assert "kv_cache_mb=8 MiB" in engine.kv_derivation
-    sized = Engine(EngineConfig(max_batch_size=3, max_total_tokens=100), loaded=tiny_loaded)
+    sized = Engine(EngineConfig(batcher=BatcherConfig(max_batch_size=3, max_total_tokens=100)), loaded=tiny_loaded)
     assert sized.batcher.budget == 3 * 112  # 100 tokens round up to 7 blocks of 16
     with pytest.raises(ConfigError, match=r"below the weight of one max-length request.*KV cache"):
-        Engine(EngineConfig(max_batch_weight=256, max_total_tokens=672), loaded=tiny_loaded)
+        Engine(EngineConfig(batcher=BatcherConfig(max_batch_weight=256, max_total_tokens=672)), loaded=tiny_loaded)
 
 
 def test_a_request_that_breaks_the_forward_fails_alone(tiny_loaded, reference_model):
@@ -301,7 +308,9 @@ def test_a_request_that_breaks_the_forward_fails_alone(tiny_loaded, reference_mo
 
     hook = tiny_loaded.model.register_forward_pre_hook(guard, with_kwargs=True)
     try:
-        engine = Engine(EngineConfig(max_batch_weight=8192, check_invariants=True), loaded=tiny_loaded)
+        engine = Engine(
+            EngineConfig(check_invariants=True, batcher=BatcherConfig(max_batch_weight=8192)), loaded=tiny_loaded
+        )
         results = engine.generate([*reqs[:6], bad, *reqs[6:]])
     finally:
         hook.remove()
@@ -315,8 +324,9 @@ def test_a_hosts_running_limit_caps_the_batcher_with_max_batch_size():
     """A worker's task threads (max_running) cap the running requests; with MAX_BATCH_SIZE the lower wins."""
     from weightq.engine.builder import make_batcher
 
-    def cap(**kw) -> int:
-        return make_batcher(EngineConfig(**kw), 4096, 256, "test", block_size=16).config.max_batch_size
+    def cap(max_batch_size: int = 0, max_running: int = 0) -> int:
+        cfg = EngineConfig(max_running=max_running, batcher=BatcherConfig(max_batch_size=max_batch_size))
+        return make_batcher(cfg, 4096, 256, "test", block_size=16).config.max_batch_size
 
     assert cap() == 0 and cap(max_running=112) == 112
     assert cap(max_batch_size=8, max_running=112) == 8 and cap(max_batch_size=200, max_running=112) == 112

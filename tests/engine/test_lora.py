@@ -12,7 +12,7 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
-from weightq.batcher import ConfigError
+from weightq.batcher import BatcherConfig, ConfigError
 from weightq.engine import Engine, EngineConfig
 from weightq.engine.lora import parse_modules
 
@@ -66,9 +66,7 @@ def check_mixed_batch(tiny_path, adapters: dict[str, str], compile_: str, **conf
             device="cpu",
             compile=compile_,
             lora_modules=spec(adapters),
-            max_batch_weight=2048,
-            max_total_tokens=320,
-            max_prefill_weight=64,
+            batcher=BatcherConfig(max_batch_weight=2048, max_total_tokens=320, max_prefill_weight=64),
             check_invariants=True,
             **config,
         )
@@ -111,7 +109,8 @@ def test_adapters_on_the_flash_path_through_its_stand_in(tiny_path, adapters):
 
 
 def test_adapter_slots_come_out_of_the_budget_as_they_are_taken_and_unknown_adapters_are_refused(tiny_path, adapters):
-    cfg = dict(model=str(tiny_path), device="cpu", compile="off", max_batch_weight=4096, max_total_tokens=1024)
+    limits = BatcherConfig(max_batch_weight=4096, max_total_tokens=1024)
+    cfg = dict(model=str(tiny_path), device="cpu", compile="off", batcher=limits)
     plain = Engine(EngineConfig(**cfg))
     lora = Engine(EngineConfig(**cfg, lora_modules=spec(adapters)))
     resident, slots = lora.runner.lora, lora.batcher.adapters
@@ -136,11 +135,19 @@ def test_adapter_slots_come_out_of_the_budget_as_they_are_taken_and_unknown_adap
 def test_slots_are_reused_by_the_least_recently_used_idle_adapter_and_requests_wait_for_one(tiny_path, adapters):
     """Room for two slots and three adapters: a third adapter takes the slot of the one least recently
     used that no running request holds, and waits while both are in use; outputs stay exact."""
-    cfg = dict(model=str(tiny_path), device="cpu", compile="off", max_total_tokens=320, check_invariants=True)
-    probe = Engine(EngineConfig(**cfg, max_batch_weight=4096, lora_modules=spec(adapters)))
+    cfg = dict(model=str(tiny_path), device="cpu", compile="off", check_invariants=True)
+    probe = Engine(
+        EngineConfig(
+            **cfg, batcher=BatcherConfig(max_batch_weight=4096, max_total_tokens=320), lora_modules=spec(adapters)
+        )
+    )
     slot = probe.batcher.adapters.slot_weight
     budget = probe.batcher.weight.seq(320) + 2 * slot + 64
-    engine = Engine(EngineConfig(**cfg, max_batch_weight=budget, lora_modules=spec(adapters)))
+    engine = Engine(
+        EngineConfig(
+            **cfg, batcher=BatcherConfig(max_batch_weight=budget, max_total_tokens=320), lora_modules=spec(adapters)
+        )
+    )
     slots = engine.batcher.adapters
     assert slots.max_capacity == 2
     reqs = [
@@ -165,7 +172,8 @@ def test_slots_are_reused_by_the_least_recently_used_idle_adapter_and_requests_w
 def test_adapters_load_and_unload_at_run_time(tiny_path, adapters, tmp_path):
     from weightq.engine.lora import AdapterError
 
-    cfg = dict(model=str(tiny_path), device="cpu", compile="off", max_batch_weight=4096, max_total_tokens=320)
+    limits = BatcherConfig(max_batch_weight=4096, max_total_tokens=320)
+    cfg = dict(model=str(tiny_path), device="cpu", compile="off", batcher=limits)
     engine = Engine(EngineConfig(**cfg, enable_lora=True))
     req = mixed_requests(1, seed=4, max_prompt=60, max_new=48)[0]
     assert "not loaded here (adapters: none)" in engine.generate([replace(req, adapter="ada")])[0].error
@@ -191,7 +199,8 @@ def test_what_cannot_be_served_is_refused_at_load(tiny_path, adapters, tmp_path)
         parse_modules_checked("ada")
     with pytest.raises(ConfigError, match="named twice"):
         parse_modules_checked(f"a={adapters['ada']},a={adapters['bob']}")
-    cfg = dict(model=str(tiny_path), device="cpu", compile="off", max_batch_weight=2048, max_total_tokens=1024)
+    limits = BatcherConfig(max_batch_weight=2048, max_total_tokens=1024)
+    cfg = dict(model=str(tiny_path), device="cpu", compile="off", batcher=limits)
     with pytest.raises(ConfigError, match=r"no readable adapter_config\.json"):
         Engine(EngineConfig(**cfg, lora_modules=f"x={tmp_path}"))
     dora = make_adapter(tiny_path, tmp_path / "dora", 4, 4, use_dora=True)
@@ -205,8 +214,8 @@ def test_what_cannot_be_served_is_refused_at_load(tiny_path, adapters, tmp_path)
     with pytest.raises(ConfigError, match="'shape'"):
         Engine(EngineConfig(**cfg, lora_modules=f"shape={bad}"))
     with pytest.raises(ConfigError, match="do not fit in max_batch_weight"):  # no room for one slot
-        Engine(EngineConfig(**cfg | {"max_batch_weight": 300, "max_total_tokens": 256},
-                            lora_modules=spec(adapters)))  # fmt: skip
+        small = BatcherConfig(max_batch_weight=300, max_total_tokens=256)
+        Engine(EngineConfig(**cfg | {"batcher": small}, lora_modules=spec(adapters)))
     with pytest.raises(ConfigError, match="paged runner only"):
         Engine(EngineConfig(**cfg, runner="padded", lora_modules=spec(adapters)))
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from weightq.batcher import ConfigError
+from weightq.batcher import BatcherConfig, ConfigError
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 
 from tests.families import FAMILIES, REFUSED, WINDOWED, build
@@ -37,16 +37,21 @@ def family_dirs(tmp_path_factory, tokenizer):
     return get
 
 
-def engine_for(path: str, **overrides) -> Engine:
-    cfg = dict(
-        model=path,
-        device="cpu",
+def engine_for(path: str, attention: str = "auto", **batcher) -> Engine:
+    limits = dict(
         max_batch_weight=1024,
         max_total_tokens=320,
         max_prefill_weight=64,  # prompts of up to 160 tokens come in chunks
-        check_invariants=True,  # every step: the ledger, the rings (window + one block), the budget
     )
-    return Engine(EngineConfig(**(cfg | overrides)))
+    return Engine(
+        EngineConfig(
+            model=path,
+            device="cpu",
+            attention=attention,
+            check_invariants=True,  # every step: the ledger, the rings (window + one block), the budget
+            batcher=BatcherConfig(**(limits | batcher)),
+        )
+    )
 
 
 def reference_of(path: str, runner: str = "paged"):

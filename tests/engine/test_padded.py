@@ -16,7 +16,7 @@ from transformers import (
     T5Config,
     T5ForConditionalGeneration,
 )
-from weightq.batcher import ConfigError
+from weightq.batcher import BatcherConfig, ConfigError
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from weightq.engine.model.builtin import shape_t5
 
@@ -62,11 +62,11 @@ def model_dir(request, tmp_path_factory, tiny_path):
 
 
 def padded_engine(model_dir, **kw) -> Engine:
-    cfg = dict(
-        model=str(model_dir), device="cpu", runner="padded", max_batch_weight=1500, max_total_tokens=220,
-        max_prefill_weight=400, check_invariants=True,  # the padded weight the tensors hold, every step
-    )  # fmt: skip
-    return Engine(EngineConfig(**{**cfg, **kw}))
+    limits = BatcherConfig(**(dict(max_batch_weight=1500, max_total_tokens=220, max_prefill_weight=400) | kw))
+    # check_invariants: the padded weight the tensors hold, every step
+    return Engine(
+        EngineConfig(model=str(model_dir), device="cpu", runner="padded", check_invariants=True, batcher=limits)
+    )
 
 
 def test_greedy_matches_generate_as_requests_join_and_leave(model_dir):
@@ -154,11 +154,19 @@ def test_budget_is_derived_from_measured_memory(tmp_path, tiny_path):
 
 
 def test_auto_picks_the_runner_and_refuses_paged_for_seq2seq(tiny_loaded):
-    assert Engine(EngineConfig(max_batch_weight=4096), loaded=tiny_loaded).lm.runner == "paged"
+    assert Engine(EngineConfig(batcher=BatcherConfig(max_batch_weight=4096)), loaded=tiny_loaded).lm.runner == "paged"
     with pytest.raises(ConfigError, match="runner: the paged runner cannot serve"):
-        Engine(EngineConfig(model="builtin:tiny-t5", device="cpu", runner="paged", max_batch_weight=4096))
+        Engine(
+            EngineConfig(
+                model="builtin:tiny-t5", device="cpu", runner="paged", batcher=BatcherConfig(max_batch_weight=4096)
+            )
+        )
     with pytest.raises(ConfigError, match="mode: the padded runner supports worst_case only"):
-        Engine(EngineConfig(model="builtin:tiny-t5", device="cpu", mode="predictive", max_batch_weight=4096))
+        Engine(
+            EngineConfig(
+                model="builtin:tiny-t5", device="cpu", batcher=BatcherConfig(mode="predictive", max_batch_weight=4096)
+            )
+        )
 
 
 def test_a_seq2seq_worker_streams_cancels_and_serves_the_gateway(service, tmp_path):
@@ -198,7 +206,11 @@ def test_a_seq2seq_worker_streams_cancels_and_serves_the_gateway(service, tmp_pa
 def test_a_failing_step_fails_its_batch_and_the_engine_serves_on():
     """The padded runner cannot rerun one row alone (every running row is in every step): a step
     whose forward raises fails the requests in it, leaves no stale rows, and the next work runs."""
-    engine = Engine(EngineConfig(model="builtin:tiny-t5", device="cpu", max_batch_weight=4096, check_invariants=True))
+    engine = Engine(
+        EngineConfig(
+            model="builtin:tiny-t5", device="cpu", check_invariants=True, batcher=BatcherConfig(max_batch_weight=4096)
+        )
+    )
     poison = 1099
 
     def guard(module, args, kwargs):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+from weightq.batcher import BatcherConfig
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 
 from tests.reference import assert_greedy_equal
@@ -22,9 +23,10 @@ def shared_prefix_requests(n: int, seed: int = 0) -> list[GenerationRequest]:
 
 
 def engine(tiny_loaded, **kw) -> Engine:
-    cfg = dict(max_batch_weight=2048, max_total_tokens=400, max_prefill_weight=256, check_invariants=True,
-               max_wait_s=1e9, jump_window_s=1e9)  # fmt: skip
-    return Engine(EngineConfig(**{**cfg, **kw}), loaded=tiny_loaded)
+    limits = dict(
+        max_batch_weight=2048, max_total_tokens=400, max_prefill_weight=256, max_wait_s=1e9, jump_window_s=1e9
+    )
+    return Engine(EngineConfig(check_invariants=True, batcher=BatcherConfig(**(limits | kw))), loaded=tiny_loaded)
 
 
 def test_greedy_outputs_are_the_same_with_the_cache_on_and_off(tiny_loaded, reference_model):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from weightq.batcher import BatcherConfig
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from weightq.engine.params import FinishEvent, TokenEvent
 from weightq.engine.sampling.grammar import available
@@ -70,7 +71,9 @@ def check_resumed(engine: Engine, reqs: list[GenerationRequest], cuts: list[int]
 
 @pytest.mark.parametrize("cuts", [(1, 5, 17, 33, 47), (2, 24, 40, 1, 60)])
 def test_greedy_and_seeded_runs_resume_where_they_stopped(tiny_loaded, cuts):
-    engine = Engine(EngineConfig(check_invariants=True, max_prefill_weight=64), loaded=tiny_loaded)
+    engine = Engine(
+        EngineConfig(check_invariants=True, batcher=BatcherConfig(max_prefill_weight=64)), loaded=tiny_loaded
+    )
     reqs = [
         GenerationRequest(f"{name}-{i}", prompt=prompt, params=params)
         for name, params in VARIANTS.items()
@@ -127,7 +130,7 @@ def test_a_guided_run_resumes_with_its_grammar_advanced(tiny_loaded):
 
 
 def test_the_padded_runner_resumes_too(tiny_loaded):
-    engine = Engine(EngineConfig(runner="padded", max_batch_weight=4096), loaded=tiny_loaded)
+    engine = Engine(EngineConfig(runner="padded", batcher=BatcherConfig(max_batch_weight=4096)), loaded=tiny_loaded)
     reqs = [
         GenerationRequest(f"p{i}", prompt=prompt, params=VARIANTS["seeded" if i % 2 else "greedy"])
         for i, prompt in enumerate(PROMPTS)
@@ -137,7 +140,9 @@ def test_the_padded_runner_resumes_too(tiny_loaded):
 
 def test_an_asynchronous_runner_resumes_too():
     """The simulated device defers a step's text and events (engine/loop/outputs.py: defer): the same."""
-    engine = Engine(EngineConfig(runner="simulated", max_batch_weight=4096, sim_step_cost="0.0001,0,0"))
+    engine = Engine(
+        EngineConfig(runner="simulated", sim_step_cost="0.0001,0,0", batcher=BatcherConfig(max_batch_weight=4096))
+    )
     reqs = [
         GenerationRequest(f"{name}-{i}", prompt=prompt, params=VARIANTS[name])
         for i, prompt in enumerate(PROMPTS)

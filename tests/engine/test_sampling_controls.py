@@ -8,6 +8,7 @@ import random
 from collections import Counter
 
 import torch
+from weightq.batcher import BatcherConfig
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 
 from tests.reference import NEAR_TIE
@@ -124,7 +125,9 @@ def test_a_logit_bias_beyond_the_vocabulary_is_refused(tiny_loaded):
 
 
 def test_prompt_logprobs_across_prefill_chunks(tiny_loaded, reference_model):
-    engine = Engine(EngineConfig(max_prefill_weight=16, check_invariants=True), loaded=tiny_loaded)
+    engine = Engine(
+        EngineConfig(check_invariants=True, batcher=BatcherConfig(max_prefill_weight=16)), loaded=tiny_loaded
+    )
     prompts = [p + p for p in _prompts(4, seed=3)]  # 6-120 tokens: prefilled in chunks of at most 16
     ks = [0, 2, 5, None]
     reqs = [

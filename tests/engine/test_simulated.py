@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from weightq.batcher import ConfigError
+from weightq.batcher import BatcherConfig, ConfigError
 from weightq.batcher.sim.cost import StepCost
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 
@@ -20,7 +20,10 @@ def test_outputs_are_deterministic_and_the_budget_and_blocks_hold():
     cost = "0.0005,0.000001,0.0000001"
     engine = Engine(
         EngineConfig(
-            runner="simulated", max_batch_weight=512, max_total_tokens=128, sim_step_cost=cost, check_invariants=True
+            runner="simulated",
+            sim_step_cost=cost,
+            check_invariants=True,
+            batcher=BatcherConfig(max_batch_weight=512, max_total_tokens=128),
         )
     )
     first = engine.generate(reqs(12))
@@ -35,7 +38,9 @@ def test_outputs_are_deterministic_and_the_budget_and_blocks_hold():
 
 def test_the_modelled_device_time_is_the_step_cost_model():
     cost = StepCost(0.002, 1e-5, 1e-7)
-    engine = Engine(EngineConfig(runner="simulated", max_batch_weight=4096, sim_step_cost="0.002,1e-5,1e-7"))
+    engine = Engine(
+        EngineConfig(runner="simulated", sim_step_cost="0.002,1e-5,1e-7", batcher=BatcherConfig(max_batch_weight=4096))
+    )
     engine.generate(reqs(4))
     st = engine.stats()
     # every step costs at least fixed_s; together no more than fixed_s + per-token terms of all the work
@@ -76,7 +81,12 @@ def _shape(events: dict) -> list:
 def test_deferred_text_and_events_match_the_immediate_ones():
     """The simulated device is asynchronous: a step's text and events are made during the next
     forward. Outputs, finish reasons and each request's events must be what an immediate engine gives."""
-    config = EngineConfig(runner="simulated", max_batch_weight=2048, sim_step_cost="0.0005,0,0", check_invariants=True)
+    config = EngineConfig(
+        runner="simulated",
+        sim_step_cost="0.0005,0,0",
+        check_invariants=True,
+        batcher=BatcherConfig(max_batch_weight=2048),
+    )
     probe = Engine(config).generate(_mixed("probe", 0, "unused")[:1])[0]
     stop_id, stop_text = probe.token_ids[6], probe.text[len(probe.text) // 2 :][:3] or probe.text
     runs = []
@@ -96,7 +106,9 @@ def test_deferred_text_and_events_match_the_immediate_ones():
 
 
 def test_a_cancel_on_the_asynchronous_device_comes_after_the_tokens_already_made():
-    engine = Engine(EngineConfig(runner="simulated", max_batch_weight=2048, sim_step_cost="0.002,0,0"))
+    engine = Engine(
+        EngineConfig(runner="simulated", sim_step_cost="0.002,0,0", batcher=BatcherConfig(max_batch_weight=2048))
+    )
     engine.start()
     try:
         handle = engine.submit(reqs(1, "c", max_new=1000)[0], stream=True)

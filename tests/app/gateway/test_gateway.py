@@ -33,11 +33,12 @@ def test_openai_completions_stream_equals_non_stream(stack):
 
 
 def test_openai_chat_uses_the_chat_template_like_the_engine(stack, tiny_loaded):
+    from weightq.batcher import BatcherConfig
     from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a KV block?"}]
     full = stack.oai.chat.completions.create(model="builtin:tiny", messages=messages, max_tokens=16, temperature=0)
-    want = Engine(EngineConfig(max_batch_weight=4096), loaded=tiny_loaded).generate(
+    want = Engine(EngineConfig(batcher=BatcherConfig(max_batch_weight=4096)), loaded=tiny_loaded).generate(
         [GenerationRequest("c", messages=messages, params=SamplingParams(max_new_tokens=16))]
     )[0]
     assert full.choices[0].message.content == want.text

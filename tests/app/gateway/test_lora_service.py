@@ -7,6 +7,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from weightq.batcher import BatcherConfig
 from weightq.cli.processes import GatewayProcess
 from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from weightq.tasks.request import RequestError
@@ -32,7 +33,12 @@ def test_adapters_are_listed_served_by_name_and_unknown_ones_refused(service, ti
 
         ids = [11, 220, 305, 17, 42, 990, 7]
         local = Engine(
-            EngineConfig(model=str(tiny_path), compile="off", max_batch_weight=8192, lora_modules=f"ada={ada}")
+            EngineConfig(
+                model=str(tiny_path),
+                compile="off",
+                lora_modules=f"ada={ada}",
+                batcher=BatcherConfig(max_batch_weight=8192),
+            )
         )
         want = {
             name: local.generate([GenerationRequest(name or "b", prompt_token_ids=ids, adapter=name,
@@ -105,7 +111,12 @@ def test_adapters_load_and_unload_at_run_time_for_the_whole_pool(service, tiny_p
         oai = openai.OpenAI(base_url=gateway.base + "/v1", api_key=KEY, max_retries=0, timeout=60)
         ids = [5, 99, 610, 23]
         local = Engine(
-            EngineConfig(model=str(tiny_path), compile="off", max_batch_weight=8192, lora_modules=f"bob={bob}")
+            EngineConfig(
+                model=str(tiny_path),
+                compile="off",
+                lora_modules=f"bob={bob}",
+                batcher=BatcherConfig(max_batch_weight=8192),
+            )
         )
         params = SamplingParams(max_new_tokens=10, ignore_eos=True)
         want = local.generate([GenerationRequest("b", prompt_token_ids=ids, adapter="bob", params=params)])[0]

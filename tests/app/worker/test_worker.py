@@ -23,6 +23,7 @@ def stream_entries(url: str, job_id: str) -> list[dict]:
 @pytest.mark.parametrize("model", ["builtin:tiny", "builtin:tiny-t5"])
 def test_100_jobs_stream_and_match_the_in_process_engine(service, tiny_loaded, model):
     """The decoder-only model on the paged runner, and a seq2seq model (T5) on the padded runner."""
+    from weightq.batcher import BatcherConfig
     from weightq.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 
     w = service.worker(model=model).wait_ready()
@@ -34,7 +35,7 @@ def test_100_jobs_stream_and_match_the_in_process_engine(service, tiny_loaded, m
     jobs += service.client.submit_many(
         [{"prompt": p, "max_new_tokens": n, "request_id": f"j{i}"} for i, (p, n) in enumerate(specs) if i >= 50]
     )
-    config = EngineConfig(model=model, max_batch_weight=8192)
+    config = EngineConfig(model=model, batcher=BatcherConfig(max_batch_weight=8192))
     local = Engine(config, loaded=tiny_loaded if model == "builtin:tiny" else None).generate(
         [
             GenerationRequest(f"j{i}", prompt=p, params=SamplingParams(max_new_tokens=n))
