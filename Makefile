@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint bench peer clean
+.PHONY: install run test test-kombu-prev lint bench peer clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,18 @@ run: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
+
+# weightq supports the two newest kombu minors (each with Celery of its minor); `test` runs the newest. This
+# runs the kombu-sensitive tests on the previous one, installed beside .venv's (app/transport.py: KOMBU_5_7).
+KOMBU_PREV ?= $(VENV)/kombu-prev
+KOMBU_TESTS := tests/app/test_kombu_edges.py tests/app/test_transport.py tests/app/worker/test_affinity.py \
+	tests/app/worker/test_priorities.py tests/app/worker/test_fair_queue.py tests/app/client/test_web_app.py
+$(KOMBU_PREV)/.installed: $(STAMP)
+	$(PY) -m pip install -q --no-deps --upgrade --target $(KOMBU_PREV) "celery>=5.6,<5.7" "kombu>=5.6,<5.7"
+	touch $@
+
+test-kombu-prev: $(KOMBU_PREV)/.installed
+	PYTHONPATH=$(abspath $(KOMBU_PREV)) $(PY) -m pytest -q $(KOMBU_TESTS)
 
 bench: $(STAMP)
 	$(VENV)/bin/weightq sim --json

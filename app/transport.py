@@ -10,9 +10,9 @@ crash inside a long-lived worker.
   when a channel closes is off (the visibility sweep of whichever worker runs next restores them).
 
 kombu internals this module still touches, and why (tests/app/test_kombu_edges.py fails, naming the
-one, when a kombu release changes any of them). The pin is kombu 5.7 with Celery 5.7; with Celery 5.6.3
-and kombu 5.6.2 the transport's own tests pass but prefix affinity's does not yet
-(tests/app/worker/test_affinity.py), so 5.6 is not supported:
+one, when a kombu release changes any of them). Supported: kombu 5.6 and 5.7, each with Celery of its
+minor; CI tests the newest, `make test-kombu-prev` the kombu-sensitive tests on 5.6 (`KOMBU_5_7` marks
+what goes with 5.6 support):
 - `Channel._put`: a staged message is filed by STAGE instead of LPUSH (kombu 5.7 may pass a
   `_publish_batch` pipeline, which the script joins).
 - `Channel._brpop_read`: a transient ResponseError (NOREPLICAS, READONLY) becomes a connection error,
@@ -30,17 +30,25 @@ and kombu 5.6.2 the transport's own tests pass but prefix affinity's does not ye
 - `virtual.QoS._delivered` / `_dirty`: what the consumer holds, which the intake counts
   (app/worker/loops.py: pipe_counts, delivered_tags); read from other threads with a retry.
 - The event loop's public `on_tick` / `on_close` sets: the batched acks flush at the end of a turn.
-- kombu 5.7's public `Producer.batch` (app/client/jobs.py): a submission's messages in one pipeline.
+- kombu 5.7's public `Producer.batch` (`publish_batch`, for app/client/jobs.py): a submission's messages
+  in one pipeline; on 5.6, one round trip per message.
+- kombu 5.7's Hub waking its poll when `call_soon` is called from another thread, and sweeping for
+  expired unacked messages at `unacked_restore_interval` / `unacked_restore_throttle`. On 5.6,
+  `Transport.register_with_event_loop` adds a LoopBackport (a waker on the public `Hub.add_reader`; the
+  sweep on `Hub.call_repeatedly`, calling `MultiChannelPoller.maybe_restore_messages`), and
+  `QoS.restore_visible(start, num, interval)` is given the throttle.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import threading
 import time
 import uuid
 
+import kombu
 import redis
 from kombu.asynchronous import get_event_loop
 from kombu.transport import redis as kombu_redis
@@ -57,6 +65,9 @@ log = logging.getLogger(__name__)
 TENANT_HEADER = "weightq_tenant"
 WEIGHT_HEADER = "weightq_weight"
 
+
+# kombu 5.6 and 5.7 are supported; what only 5.6 needs is marked by this, and goes with 5.6 support
+KOMBU_5_7 = kombu.VERSION[:2] >= (5, 7)
 
 BROKER_OPTION = "weightq_broker"  # the transport option that carries a BrokerClient (celery_config.py)
 
@@ -173,6 +184,11 @@ class BatchedQoS(kombu_redis.QoS):
         # a new set, not a change of the one the hub may be iterating (kombu 5.6 iterates it, 5.7 a copy)
         hub.on_close = hub.on_close - {self._loop_closing}
         self.flush_acks()
+
+    def restore_visible(self, start=0, num=10, interval=10):
+        if not KOMBU_5_7:  # 5.6 passes no throttle: the transport option's, as 5.7 passes it (LoopBackport)
+            interval = self.channel.connection.client.transport_options.get("unacked_restore_throttle", interval)
+        return super().restore_visible(start, num, interval)
 
     def restore_unacked_once(self, stderr=None):
         """The channel closes: what this turn acked goes first (the loop may not turn again)."""
@@ -321,6 +337,15 @@ def _fresh_tag(payload: dict) -> None:
         payload["properties"]["delivery_tag"] = str(uuid.uuid4())
 
 
+def publish_batch(producer, max_size: int):
+    """A context in which `producer`'s publishes leave Redis in one pipeline (kombu 5.7's public
+    `Producer.batch`, which `StaleChannelSafe._put` joins). kombu 5.6 has no batch: there each publish
+    is a round trip of its own. The fallback goes when kombu 5.6 is no longer supported."""
+    if not KOMBU_5_7:
+        return contextlib.nullcontext()
+    return producer.batch(max_size=max_size)
+
+
 def restore_unacked(client: redis.Redis, tags: list[str]) -> list[str]:
     """Put the unacked messages with these delivery tags back at the head of their queue lists (as
     kombu restores the messages a visibility timeout expired), each under a fresh tag; returns the
@@ -392,9 +417,99 @@ class SentinelChannel(StaleChannelSafe, kombu_redis.SentinelChannel):
     connection_class = FailoverAwareConnection
 
 
+# What kombu 5.7 does for Celery's event loop and 5.6 does not: 5.7's Hub.call_soon, called from another
+# thread, ends the loop's poll (on 5.6 the intake's wake after a release waited for the poll's timeout,
+# up to seconds, while another worker stole the released jobs), and 5.7 sweeps for expired unacked
+# messages every `unacked_restore_interval` s, scanning every `unacked_restore_throttle`-th time (5.6
+# ignores both: a sweep every 10 s, a scan every 100 s). LoopBackport gives a 5.6 hub both; it goes when
+# kombu 5.6 is no longer supported.
+BACKPORT_ATTR = "weightq_backport"  # where a hub of kombu 5.6 keeps its LoopBackport
+
+
+class LoopBackport:
+    """A socket pair whose reading end the event loop watches (public `Hub.add_reader`): a byte
+    written from any thread ends the loop's poll. And the loop's visibility sweep, at the interval
+    the transport options ask for."""
+
+    def __init__(self, hub) -> None:
+        self.reader, self.writer = socket.socketpair()
+        self.reader.setblocking(False)
+        self.writer.setblocking(False)
+        hub.add_reader(self.reader, self._drain)
+        self.sweep = None  # the timer entry of the visibility sweep
+
+    def wake(self) -> None:
+        with contextlib.suppress(OSError):  # closed with its hub meanwhile, or a wake already pending
+            self.writer.send(b"\0")
+
+    def sweep_every(self, hub, seconds: float, sweep) -> None:
+        """The sweep of the transport connected last (a reconnect replaces the old one's)."""
+        if self.sweep is not None:
+            self.sweep.cancel()
+        self.sweep = hub.call_repeatedly(seconds, sweep)
+
+    def _drain(self) -> None:
+        with contextlib.suppress(OSError):
+            self.reader.recv(4096)
+
+    def close(self) -> None:
+        if self.sweep is not None:
+            self.sweep.cancel()
+        self.reader.close()
+        self.writer.close()
+
+
+def backport_loop(hub) -> LoopBackport | None:
+    """`hub`'s LoopBackport on kombu 5.6, made on the loop's own thread the first time; None on 5.7."""
+    if KOMBU_5_7:
+        return None
+    backport = getattr(hub, BACKPORT_ATTR, None)
+    if backport is None:
+        backport = LoopBackport(hub)
+        setattr(hub, BACKPORT_ATTR, backport)
+        hub.on_close.add(_close_backport)  # the same function each time: in the set once
+    return backport
+
+
+def _close_backport(hub) -> None:
+    """The hub closes (or resets, for a new broker connection): its readers are gone, and so goes the
+    backport; `register_with_event_loop` makes a new one with the new connection."""
+    backport = hub.__dict__.pop(BACKPORT_ATTR, None)
+    if backport is not None:
+        backport.close()
+
+
+def wake_poller(hub) -> None:
+    """From any thread: end `hub`'s current poll, so that the callbacks queued with `call_soon` run
+    now. Nothing on kombu 5.7, whose `call_soon` does it. A 5.6 hub without a backport yet (kombu's own
+    transport, for rediss:// and unix sockets) gets one at its next turn."""
+    if KOMBU_5_7:
+        return
+    backport = getattr(hub, BACKPORT_ATTR, None)
+    if backport is None:
+        hub.call_soon(backport_loop, hub)
+    else:
+        backport.wake()
+
+
+def _register_backport(transport, connection, loop) -> None:
+    backport = backport_loop(loop)  # on the loop's thread, before it first polls
+    if backport is not None:
+        interval = connection.client.transport_options.get("unacked_restore_interval", 10)
+        backport.sweep_every(loop, interval, transport.cycle.maybe_restore_messages)
+
+
 class Transport(kombu_redis.Transport):
     Channel = Channel
+
+    def register_with_event_loop(self, connection, loop):
+        super().register_with_event_loop(connection, loop)
+        _register_backport(self, connection, loop)
 
 
 class SentinelTransport(kombu_redis.SentinelTransport):
     Channel = SentinelChannel
+
+    def register_with_event_loop(self, connection, loop):
+        super().register_with_event_loop(connection, loop)
+        _register_backport(self, connection, loop)

@@ -52,7 +52,7 @@ from weightq.tasks.request import JobRequest, RequestError, parse_request
 from weightq.tasks.results import TokenLogprobs
 from weightq.tasks.sizes import job_weight
 from weightq.token_plane import TokenPlane
-from weightq.transport import TENANT_HEADER, WEIGHT_HEADER
+from weightq.transport import TENANT_HEADER, WEIGHT_HEADER, publish_batch
 
 from .pressure import Backpressure
 from .routing import Router
@@ -381,7 +381,7 @@ class Client:
 
     def _publish(self, ids: list[str], jobs: list[JobRequest], requests: list[dict], queues: list[str]) -> None:
         app = self.app
-        with app.producer_or_acquire() as producer, producer.batch(max_size=4 * len(ids)):
+        with app.producer_or_acquire() as producer, publish_batch(producer, 4 * len(ids)):
             for job_id, job, request, queue in zip(ids, jobs, requests, queues, strict=True):
                 staged = {"headers": {TENANT_HEADER: job.tenant, WEIGHT_HEADER: job_weight(job)}} if self.stages else {}
                 app.send_task(

@@ -33,7 +33,7 @@ from weightq.engine import AnyEngine, Urgency
 from weightq.settings import Settings
 from weightq.tasks.contract import RELEASE, fair_key, staged_sets, worker_queue
 from weightq.tasks.limits import DEFAULT_PRIORITY, broker_priority
-from weightq.transport import priority_queues
+from weightq.transport import priority_queues, wake_poller
 
 from .inflight import InFlight
 from .loops import pipe_counts
@@ -192,3 +192,4 @@ def intake_loop(
             # kombu re-arms its BRPOP only at a tick of Celery's event loop, and only while the prefetch
             # has room: without a wake, jobs released after the prefetch had filled waited ~1 s there
             hub.call_soon(_wake)
+            wake_poller(hub)  # kombu 5.6: call_soon from this thread does not end the loop's poll

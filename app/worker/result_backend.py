@@ -46,7 +46,9 @@ class OneTripStore:
         value = self.encode(meta)
         if len(value) > self._MAX_STR_VALUE_SIZE:
             raise BackendStoreError("value too large for Redis backend", state=state, task_id=task_id)
-        expires = self.failure_expires if state == states.FAILURE else self.expires
+        expires = self.expires
+        if state == states.FAILURE:  # Celery 5.6 has no result_failure_expires: the default (goes with 5.6)
+            expires = getattr(self, "failure_expires", self.expires)
         stored = self.ensure(self._store_once, (self.get_key_for_task(task_id), value, expires or 0))
         if stored == UNREADABLE:  # compressed or foreign: Celery's own check decodes it
             return super()._store_result(task_id, result, state, traceback, request, **kwargs)

@@ -1,18 +1,21 @@
 """The kombu internals weightq still touches (app/transport.py's docstring lists them and why), checked
 by name, signature and storage format: a kombu release that renames, drops or reshapes one fails here,
-by name, before the queue misbehaves in a running worker. CI runs the suite on kombu 5.7 (the pin). To
-run it on another minor: `pip install --no-deps --target /tmp/k celery==5.6.3 kombu==5.6.2`, then
-`PYTHONPATH=/tmp/k .venv/bin/python -m pytest tests/app` (app/transport.py says what passes there)."""
+by name, before the queue misbehaves in a running worker. weightq supports kombu 5.6 and 5.7 (each with
+Celery of its minor): CI runs the suite on the newest, and `make test-kombu-prev` runs this file and the
+other kombu-sensitive tests on 5.6."""
 
 from __future__ import annotations
 
 import inspect
 import json
 
+import kombu
 import pytest
+from kombu import Producer
 from kombu.asynchronous import Hub
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
+from weightq.transport import KOMBU_5_7
 
 REDIS_CHANNEL = {
     # (name, parameters it must accept): why weightq needs it
@@ -52,6 +55,9 @@ def test_the_redis_channel_attributes_and_key_names_are_there():
 def test_the_qos_weightq_extends_keeps_its_delivered_map_and_methods():
     for name in ("ack", "append", "restore_unacked_once", "pipe_or_acquire", "can_consume_max_estimate"):
         assert callable(getattr(kombu_redis.QoS, name, None)), f"kombu's Redis QoS has no {name}"
+    # BatchedQoS.restore_visible passes the throttle on kombu 5.6, as 5.7's poller does
+    params = list(inspect.signature(kombu_redis.QoS.restore_visible).parameters)
+    assert params == ["self", "start", "num", "interval"], f"kombu's QoS.restore_visible takes {params} now"
     assert list(inspect.signature(virtual.QoS.append).parameters) == ["self", "message", "delivery_tag"]
     assert list(inspect.signature(virtual.QoS.ack).parameters) == ["self", "delivery_tag"]
     # the worker counts its held messages from these (app/worker/loops.py: pipe_counts, delivered_tags)
@@ -73,6 +79,23 @@ def test_the_transport_delivers_a_taken_message_and_the_hub_has_its_callback_set
     hub = Hub()
     try:
         assert isinstance(hub.on_tick, set) and isinstance(hub.on_close, set)  # batched acks flush on a tick
-        assert callable(hub.call_soon)
+        for name in ("call_soon", "call_repeatedly", "add_reader"):  # LoopBackport's, on kombu 5.6
+            assert callable(getattr(hub, name, None)), f"kombu's Hub has no {name}"
     finally:
         hub.close()
+
+
+def test_the_minor_versions_and_their_differences_are_the_ones_weightq_handles():
+    """kombu 5.6 and 5.7 only: a newer minor may move what app/transport.py's docstring lists. On 5.7 the
+    hub wakes itself (tests/app/test_transport.py checks it does) and Producer.batch exists; on 5.6 the
+    transport's register_with_event_loop adds the LoopBackport, whose sweep is the poller's own."""
+    assert kombu.VERSION[:2] in ((5, 6), (5, 7)), f"kombu {kombu.__version__}: check app/transport.py's list"
+    for transport in (kombu_redis.Transport, kombu_redis.SentinelTransport):
+        params = list(inspect.signature(transport.register_with_event_loop).parameters)
+        assert params == ["self", "connection", "loop"], f"kombu's register_with_event_loop takes {params} now"
+    assert callable(getattr(kombu_redis.MultiChannelPoller, "maybe_restore_messages", None)), (
+        "kombu's MultiChannelPoller has no maybe_restore_messages"
+    )
+    if KOMBU_5_7:
+        assert "max_size" in inspect.signature(Producer.batch).parameters, "kombu's Producer.batch changed"
+        assert "_publish_batch" in inspect.getsource(kombu_redis.Channel), "kombu no longer passes _publish_batch"

@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import redis
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 from kombu.asynchronous import Hub, get_event_loop, set_event_loop
-from weightq.transport import priority_queues
+from kombu.asynchronous.timer import Timer
+from weightq.transport import KOMBU_5_7, priority_queues, publish_batch, wake_poller
 
 pytestmark = pytest.mark.service  # real Redis servers and worker processes
 
 OPTIONS = {"priority_steps": list(range(10)), "queue_order_strategy": "priority"}
 
 
-def _connect(url: str) -> Connection:
-    return Connection(url, transport="weightq.transport:Transport", transport_options=OPTIONS)
+def _connect(url: str, **options) -> Connection:
+    return Connection(url, transport="weightq.transport:Transport", transport_options={**OPTIONS, **options})
 
 
 def _delivered(conn: Connection, name: str, n: int) -> tuple[object, list]:
@@ -129,3 +134,80 @@ def test_acks_pending_when_their_channel_closes_leave_first_on_its_own_connectio
         assert r.hlen(channel.unacked_key) == 0 and r.zcard(channel.unacked_index_key) == 0
         # both its connections (commands, BRPOP) closed, and no third one opened for the acks after them
         assert len(r.client_list()) == clients - 2
+
+
+@contextmanager
+def _running_loop(conn: Connection) -> Iterator[Hub]:
+    """A hub the transport is registered with, as Celery's consumer registers it, turning in a thread
+    of its own (as Celery's event loop turns in the worker's main thread). Its timer lets a poll wait
+    as long as the hub allows (10 s) when nothing is due sooner."""
+    hub, stop = Hub(Timer(max_interval=60)), threading.Event()
+    conn.transport.register_with_event_loop(conn.connection, hub)
+    loop = hub.create_loop()
+
+    def turn() -> None:
+        while not stop.is_set():
+            next(loop)
+
+    thread = threading.Thread(target=turn, daemon=True)
+    thread.start()
+    try:
+        yield hub
+    finally:
+        stop.set()
+        hub.call_soon(lambda: None)
+        wake_poller(hub)
+        thread.join(30)
+        hub.close()
+
+
+def test_a_callback_queued_from_another_thread_ends_the_loops_poll(service):
+    """The worker's intake releases jobs from a thread of its own and wakes the loop to take them: the
+    wake must end a poll that would otherwise wait for the next timer (up to 10 s), or the released
+    jobs sit in the lists meanwhile, for another worker to steal (kombu 5.6: LoopBackport)."""
+    silent = socket.socketpair()  # a connection the loop watches and nothing arrives on (an idle BRPOP)
+    with _connect(service.url) as conn, silent[0], silent[1]:
+        conn.connect()
+        with _running_loop(conn) as hub:
+            hub.add_reader(silent[0], lambda: None)  # a loop with nothing to watch only naps
+            hub.call_later(60, lambda: None)  # nothing due for a minute: each poll waits its longest (10 s)
+            first, woken = threading.Event(), threading.Event()
+            hub.call_soon(first.set)
+            assert first.wait(30)
+            time.sleep(0.2)  # the loop is in its poll now
+            hub.call_soon(woken.set)
+            wake_poller(hub)
+            assert woken.wait(5), "a callback queued from another thread waited for the loop's poll to time out"
+
+
+def test_the_visibility_sweep_runs_at_the_interval_the_options_ask_for(service):
+    """unacked_restore_interval / unacked_restore_throttle (set by celery_config from RESTORE_INTERVAL_S):
+    an unacked message past its visibility timeout is back in its list within seconds, not kombu 5.6's
+    fixed 100 s."""
+    r = redis.Redis.from_url(service.url)
+    fast = dict(visibility_timeout=1, unacked_restore_interval=1, unacked_restore_throttle=1, unacked_mutex_expire=5)
+    with _connect(service.url, **fast) as conn:
+        channel, got = _delivered(conn, "expiring", 1)  # delivered, never acked: its worker went silent
+        assert len(got) == 1 and r.hlen(channel.unacked_key) == 1
+        with _running_loop(conn):
+            deadline = time.monotonic() + 30
+            while r.hlen(channel.unacked_key) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        assert r.hlen(channel.unacked_key) == 0, "the visibility sweep did not restore an expired message"
+        assert sum(r.llen(q) for q in priority_queues("expiring")) == 1
+
+
+def test_a_submissions_messages_leave_in_one_pipeline_where_kombu_batches(service):
+    """publish_batch: kombu 5.7's Producer.batch, whose pipeline `_put` joins; kombu 5.6 has none, and
+    each message is published on its own (the same messages either way)."""
+    r = redis.Redis.from_url(service.url)
+    queue = Queue("batched", Exchange("batched", type="direct"), routing_key="batched")
+    with _connect(service.url) as conn:
+        producer = Producer(conn.channel(), exchange=queue.exchange, routing_key="batched")
+        queue(producer.channel).declare()
+        with publish_batch(producer, 8):
+            for i in range(5):
+                producer.publish({"i": i})
+            # kombu 5.7: buffered until the context ends (Producer.batch); 5.6: each sent at once
+            assert r.llen("batched") == (0 if KOMBU_5_7 else 5), "kombu 5.7's Producer.batch did not batch"
+        assert r.llen("batched") == 5
