@@ -38,18 +38,23 @@ def test_demo_runs_the_whole_stack_and_exits_cleanly(tmp_path):
     assert not _redis_servers_in(tmp_path), "the demo left its Redis running"
 
 
+def _stop_left(procs: list[subprocess.Popen], timeout: float) -> None:
+    """A test's processes still running at its end: SIGTERM (their warm shutdown), then SIGKILL."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
 @pytest.fixture
 def stacks():
     """`weightq up` processes a test starts; a failing test's stack is stopped too, not leaked."""
     procs: list[subprocess.Popen] = []
     yield procs
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(180)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    _stop_left(procs, 180)
 
 
 def test_up_serves_until_ctrl_c_then_stops_everything(tmp_path, stacks):
@@ -204,13 +209,7 @@ def commands(tmp_path):
     failing test left behind in its WEIGHTQ_HOME too."""
     procs: list[subprocess.Popen] = []
     yield procs
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    _stop_left(procs, 120)
     for pid in _redis_servers_in(tmp_path):
         os.kill(pid, signal.SIGTERM)
 
